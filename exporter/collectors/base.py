@@ -1,0 +1,43 @@
+"""The contract every source collector follows, and how a partial failure is reported.
+
+A source collector is a `prometheus_client` collector with a `name` (the `collector` label of
+`gpufleet_exporter_collector_success`) and a `close()`. `collect()` yields fresh metric families
+on every scrape. To report a failure while still exporting what it could read, a collector
+yields what it has and then raises `CollectorError`: the supervisor in `exporter.registry`
+keeps the families already yielded and marks the collector unsuccessful.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Protocol, runtime_checkable
+
+from prometheus_client.metrics_core import Metric
+
+
+class CollectorError(Exception):
+    """Raised by a collector, after yielding what it could, when part of its source failed."""
+
+
+@runtime_checkable
+class SourceCollector(Protocol):
+    """A collector of one data source."""
+
+    name: str
+
+    def collect(self) -> Iterable[Metric]:
+        """Yield fresh metric families; raise `CollectorError` after yielding on partial failure."""
+        ...
+
+    def close(self) -> None:
+        """Release what the collector holds (threads, libraries); called once on exit."""
+        ...
+
+
+@runtime_checkable
+class GpuCollector(SourceCollector, Protocol):
+    """A collector of GPUs: it reports the PCI bus ids it found so `gpu` indices can be assigned."""
+
+    def pci_bus_ids(self) -> list[str]:
+        """PCI bus ids (sysfs form, `0000:41:00.0`) of the GPUs this collector found at start."""
+        ...

@@ -1,0 +1,34 @@
+"""Golden exposition files: compare a scrape with `tests/golden/NAME.prom`.
+
+Run with `GPUFLEET_UPDATE_GOLDEN=1` to (re)write the files after an intended change; review the
+diff like code.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.registry import Collector
+
+GOLDEN_DIR = Path(__file__).parent / "golden"
+
+
+def exposition(*collectors: Collector) -> str:
+    """One scrape of the given collectors, alone on a fresh registry, as text."""
+    registry = CollectorRegistry(auto_describe=False)
+    for collector in collectors:
+        registry.register(collector)
+    return generate_latest(registry).decode()
+
+
+def assert_golden(text: str, name: str) -> None:
+    """Assert that `text` equals the golden file `NAME.prom` (or write it when updating)."""
+    path = GOLDEN_DIR / f"{name}.prom"
+    if os.environ.get("GPUFLEET_UPDATE_GOLDEN") == "1":
+        GOLDEN_DIR.mkdir(exist_ok=True)
+        path.write_text(text)
+    assert path.exists(), f"no golden file {path}: run with GPUFLEET_UPDATE_GOLDEN=1"
+    expected = path.read_text()
+    assert text == expected, f"scrape differs from {path}"

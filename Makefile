@@ -1,0 +1,57 @@
+# The two commands of the README: `make run` and `make test`. Each does its own set-up on a
+# fresh machine (Debian packages through apt-get, the .venv and the project through pip).
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+LISTEN ?= 127.0.0.1:9445
+SCRAPES ?= 300
+
+# Debian packages the tests and the benchmark need, and why:
+#   prometheus                promtool, which checks our exposition format (`check metrics`)
+#   prometheus-node-exporter  the peer that bench/exporter_amd.py measures us against
+DEB_PACKAGES := prometheus prometheus-node-exporter
+
+.PHONY: run test bench deps venv lint typecheck unit
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[test]'
+	touch $@
+
+venv: $(VENV)/.installed
+
+## make run: the exporter for this host, on $(LISTEN) (the roster from /etc/gpu-fleet/fleet.yaml
+## when there is one; without it, the hardware it finds and no servers)
+run: venv
+	$(BIN)/gpu-fleet-exporter --web.listen-address $(LISTEN)
+
+deps:
+	@missing=""; \
+	for pkg in $(DEB_PACKAGES); do \
+	  dpkg-query -W -f='$${Status}' $$pkg 2>/dev/null | grep -q "install ok installed" || missing="$$missing $$pkg"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+	  echo "make: installing Debian packages:$$missing"; \
+	  echo "      (promtool checks our exposition format; node_exporter is the benchmark's peer)"; \
+	  sudo=""; [ "$$(id -u)" -eq 0 ] || sudo="sudo"; \
+	  $$sudo apt-get update -q && \
+	  $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $$missing; \
+	fi
+
+lint: venv
+	$(BIN)/ruff check .
+
+typecheck: venv
+	$(BIN)/mypy
+
+unit: venv
+	$(BIN)/pytest
+
+## make test: ruff, mypy, pytest, and the benchmark once with a small count so it cannot rot
+test: deps venv lint typecheck unit
+	$(BIN)/python bench/exporter_amd.py --scrapes 20
+
+## make bench: the AMD exporter benchmark against node_exporter
+bench: deps venv
+	$(BIN)/python bench/exporter_amd.py --scrapes $(SCRAPES)

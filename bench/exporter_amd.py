@@ -1,0 +1,169 @@
+"""Benchmark: our exporter against node_exporter on the same 8-card amdgpu sysfs tree.
+
+Writes a sysfs tree of 8 discrete amdgpu cards (card0-3 and card10-13: node_exporter's drm
+collector only globs `card[0-9]`, so it sees 4 of them) plus a k10temp chip, serves it with
+`gpu-fleet-exporter --sysfs TREE` and with Debian's `prometheus-node-exporter` restricted to its
+`drm` and `hwmon` collectors (`--path.sysfs TREE`), scrapes both alternately in the same run, and
+prints each one's median scrape time, the ratio ours/node_exporter (target <= 0.8) and the RSS
+of both processes.
+
+    python bench/exporter_amd.py [--scrapes 300]
+
+Exits non-zero when node_exporter is missing or exports no `node_drm_` series, or when our
+exporter does not export all 8 cards; the ratio itself is printed, not enforced (these machines
+are noisy; compare runs, not single numbers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.sysfs_tree import write_amd_fleet  # noqa: E402 - needs the repo root on sys.path
+
+CARDS = [0, 1, 2, 3, 10, 11, 12, 13]
+TARGET_RATIO = 0.8
+NODE_EXPORTER_NAMES = ("prometheus-node-exporter", "node_exporter")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def scrape(port: int) -> tuple[float, bytes]:
+    start = time.perf_counter()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.request("GET", "/metrics")
+        response = conn.getresponse()
+        body = response.read()
+        if response.status != 200:
+            raise RuntimeError(f"port {port}: HTTP {response.status}")
+    finally:
+        conn.close()
+    return time.perf_counter() - start, body
+
+
+def wait_ready(port: int, proc: subprocess.Popen[bytes], name: str) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with {proc.returncode}")
+        try:
+            scrape(port)
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"{name} did not answer on port {port}")
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def find_node_exporter() -> str:
+    for name in NODE_EXPORTER_NAMES:
+        path = shutil.which(name)
+        if path:
+            return path
+    sys.exit(
+        "bench: node_exporter is missing (Debian package prometheus-node-exporter; "
+        "`make bench` installs it)"
+    )
+
+
+def write_roster(path: Path) -> None:
+    path.write_text(
+        "hosts:\n  bench:\n    address: 127.0.0.1\n    gpus:\n"
+        f"      amd: {{count: {len(CARDS)}}}\n"
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scrapes", type=int, default=300, help="scrapes of each exporter")
+    args = parser.parse_args()
+    node_exporter = find_node_exporter()
+    ours_bin = Path(sys.executable).parent / "gpu-fleet-exporter"
+
+    with tempfile.TemporaryDirectory(prefix="gpufleet-bench-") as tmp:
+        sysfs = Path(tmp) / "sys"
+        write_amd_fleet(sysfs, CARDS)
+        roster = Path(tmp) / "fleet.yaml"
+        write_roster(roster)
+        ours_port, node_port = free_port(), free_port()
+        env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+        ours = subprocess.Popen(
+            [str(ours_bin), "--config", str(roster), "--host", "bench", "--sysfs", str(sysfs),
+             "--web.listen-address", f"127.0.0.1:{ours_port}", "--log.level", "warning"],
+            env=env,
+        )
+        node = subprocess.Popen(
+            [node_exporter, "--collector.disable-defaults", "--collector.drm",
+             "--collector.hwmon", f"--path.sysfs={sysfs}",
+             f"--web.listen-address=127.0.0.1:{node_port}", "--log.level=warn"],
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            wait_ready(ours_port, ours, "gpu-fleet-exporter")
+            wait_ready(node_port, node, "node_exporter")
+            _, ours_body = scrape(ours_port)
+            _, node_body = scrape(node_port)
+            ours_cards = ours_body.count(b"\ngpufleet_gpu_info{")
+            node_cards = len({
+                line.split(b'card="')[1].split(b'"')[0]
+                for line in node_body.splitlines()
+                if line.startswith(b"node_drm_card_info{")
+            })
+            if b"\nnode_drm_" not in node_body:
+                sys.exit("bench: node_exporter's output has no node_drm_ series")
+            if ours_cards != len(CARDS):
+                sys.exit(f"bench: our exporter exported {ours_cards} cards, not {len(CARDS)}")
+            for _ in range(10):  # warm both up: imports, caches, first-scrape work
+                scrape(ours_port)
+                scrape(node_port)
+            ours_times, node_times = [], []
+            for _ in range(args.scrapes):  # alternate, so both see the same machine noise
+                ours_times.append(scrape(ours_port)[0])
+                node_times.append(scrape(node_port)[0])
+            ours_rss, node_rss = rss_bytes(ours.pid), rss_bytes(node.pid)
+        finally:
+            for proc in (ours, node):
+                proc.terminate()
+            for proc in (ours, node):
+                proc.wait(timeout=10)
+
+    ours_median = statistics.median(ours_times)
+    node_median = statistics.median(node_times)
+    ratio = ours_median / node_median
+    print(f"sysfs tree: {len(CARDS)} amdgpu cards (card{', card'.join(map(str, CARDS))})")
+    print(f"scrapes: {args.scrapes} of each, alternating")
+    print(f"gpu-fleet-exporter: median {ours_median * 1000:.2f} ms, {ours_cards} cards, "
+          f"{len(ours_body)} bytes, RSS {ours_rss / 2**20:.1f} MiB")
+    print(f"node_exporter:      median {node_median * 1000:.2f} ms, {node_cards} cards, "
+          f"{len(node_body)} bytes, RSS {node_rss / 2**20:.1f} MiB")
+    verdict = "met" if ratio <= TARGET_RATIO else "MISSED"
+    print(f"ratio ours/node_exporter: {ratio:.2f} (target <= {TARGET_RATIO}: {verdict})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,159 @@
+"""`gpu-fleet-exporter`: the exporter for one GPU host.
+
+    gpu-fleet-exporter [--config FILE] [--host NAME] [--web.listen-address ADDR]
+                       [--sysfs DIR] [--once] [--nvml.fake-scenario FILE]
+
+With no roster at the default path (and no `--config`), it detects the hardware and watches no
+servers. A roster that is given but unusable, or a host that cannot be determined, stops the
+start with exit status 2 and a message naming the file and key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from pathlib import Path
+from types import FrameType
+
+from prometheus_client import CollectorRegistry, generate_latest
+
+from exporter import __version__
+from exporter.http import MetricsServer, parse_listen_address
+from exporter.registry import ExporterSettings, build_registry
+from exporter.roster import DEFAULT_ROSTER_PATH, Host, RosterError, load_roster, resolve_host_name
+
+log = logging.getLogger("gpu-fleet-exporter")
+
+EXIT_USAGE = 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="gpu-fleet-exporter",
+        description="Prometheus exporter for a GPU host serving LLMs (NVML, amdgpu, hwmon).",
+    )
+    p.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help=f"the roster (fleet.yaml); default {DEFAULT_ROSTER_PATH}, and without one there, "
+        "the exporter detects the hardware and watches no servers",
+    )
+    p.add_argument("--host", default=None, help="which roster host this is (see DESIGN.md)")
+    p.add_argument(
+        "--web.listen-address",
+        dest="listen_address",
+        default=":9445",
+        help="address to serve /metrics on (default :9445, all interfaces)",
+    )
+    p.add_argument("--sysfs", default="/sys", help="sysfs mount point (default /sys)")
+    p.add_argument(
+        "--once", action="store_true", help="print one scrape to stdout and exit 0"
+    )
+    p.add_argument(
+        "--nvml.fake-scenario",
+        dest="nvml_fake_scenario",
+        type=Path,
+        default=None,
+        help="STAND-IN FOR A GPU: read NVIDIA data from this fake-NVML scenario file instead of "
+        "the driver (the e2e lab and demos on machines without a GPU; never in production)",
+    )
+    p.add_argument(
+        "--collector.timeout",
+        dest="collector_timeout",
+        type=float,
+        default=4.0,
+        help="deadline in seconds for NVML's calls in one scrape (default 4)",
+    )
+    p.add_argument(
+        "--log.level",
+        dest="log_level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+    )
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    return p
+
+
+def _roster_host(config: Path | None, host_name: str | None) -> Host | None:
+    """This host's roster entry, or None when there is no roster at all."""
+    path = config if config is not None else DEFAULT_ROSTER_PATH
+    if config is None and not path.exists():
+        if host_name is not None:
+            raise RosterError(f"--host {host_name!r} needs a roster, and {path} does not exist")
+        log.info("no roster at %s: detecting hardware, watching no servers", path)
+        return None
+    roster = load_roster(path)
+    name = resolve_host_name(roster, host_name)
+    log.info("roster %s: this is host %s", path, name)
+    return roster.hosts[name]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the exporter; returns the process exit status."""
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    if args.collector_timeout <= 0:
+        print("gpu-fleet-exporter: --collector.timeout: must be > 0", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        listen = parse_listen_address(args.listen_address)
+    except ValueError as exc:
+        print(f"gpu-fleet-exporter: --web.listen-address: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        host = _roster_host(args.config, args.host)
+    except RosterError as exc:
+        print(f"gpu-fleet-exporter: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    settings = ExporterSettings(
+        host=host,
+        sysfs=args.sysfs,
+        nvml_fake_scenario=args.nvml_fake_scenario,
+        collector_timeout_seconds=args.collector_timeout,
+    )
+    registry, fleet = build_registry(settings)
+    try:
+        if args.once:
+            sys.stdout.write(generate_latest(registry).decode())
+            sys.stdout.flush()
+            return 0
+        return _serve(registry, listen)
+    finally:
+        fleet.close()
+
+
+def _serve(registry: CollectorRegistry, listen: tuple[str, int]) -> int:
+    try:
+        server = MetricsServer(registry, *listen)
+    except OSError as exc:
+        print(
+            f"gpu-fleet-exporter: cannot listen on {listen[0]}:{listen[1]}: {exc}",
+            file=sys.stderr,
+        )
+        return 1
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        del frame
+        log.info("signal %s: shutting down", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    server.start()
+    log.info("serving /metrics on %s:%d", listen[0], server.port)
+    stop.wait()
+    server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

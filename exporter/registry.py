@@ -1,0 +1,148 @@
+"""Builds the exporter's registry from the roster and the command-line settings.
+
+All source collectors hang under one `FleetCollector`, which runs them in turn under a
+supervisor: a collector that raises loses only its own series (and what it yielded before the
+error is kept), its success and duration are recorded, and families that several collectors
+emit (`gpufleet_gpu_info` from NVIDIA and AMD alike) are merged into one, because the text
+format allows a family's HELP and TYPE only once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.metrics_core import Metric
+
+from exporter.collectors.amd import AmdCollector
+from exporter.collectors.base import CollectorError, GpuCollector, SourceCollector
+from exporter.collectors.host import HostCollector
+from exporter.collectors.hwmon import HwmonCollector
+from exporter.collectors.nvidia import NvidiaCollector
+from exporter.collectors.selfstats import CollectorOutcome, self_metrics
+from exporter.gpu_index import GpuIndex
+from exporter.roster import Host
+from exporter.sources.nvml import load_backend
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ExporterSettings:
+    """Everything the exporter's collectors are built from; production defaults here only."""
+
+    host: Host | None = None  # this host's roster entry; None when there is no roster
+    sysfs: str = "/sys"
+    nvml_fake_scenario: Path | None = None  # a stand-in for a GPU, for tests and demos
+    collector_timeout_seconds: float = 4.0
+
+
+class FleetCollector:
+    """Runs every source collector, merges their families, and adds the exporter's own."""
+
+    def __init__(
+        self,
+        collectors: Sequence[SourceCollector],
+        *,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.collectors = list(collectors)
+        self._clock = clock
+        # One scrape at a time: collectors keep per-scrape state (CPU deltas, NVML's worker),
+        # and two scrapers at once must not double the load on a struggling GPU.
+        self._lock = threading.Lock()
+        self._last_error: dict[str, str] = {}
+
+    def collect(self) -> Iterator[Metric]:
+        """One scrape: every collector's families, merged by name, then the self metrics."""
+        with self._lock:
+            merged: dict[str, Metric] = {}
+            outcomes = [self._run(c, merged) for c in self.collectors]
+        yield from merged.values()
+        yield from self_metrics(outcomes)
+
+    def _run(self, collector: SourceCollector, merged: dict[str, Metric]) -> CollectorOutcome:
+        start = self._clock()
+        success = True
+        error = ""
+        try:
+            for family in collector.collect():
+                _merge(merged, family)
+        except CollectorError as exc:
+            success, error = False, str(exc)
+        except Exception as exc:
+            success, error = False, f"{type(exc).__name__}: {exc}"
+            log.exception("collector %s crashed", collector.name)
+        duration = self._clock() - start
+        self._log_change(collector.name, error)
+        return CollectorOutcome(collector.name, success, duration)
+
+    def _log_change(self, name: str, error: str) -> None:
+        # Log a collector's error when it appears or changes, and its recovery, not every
+        # scrape: a lost GPU would otherwise write a line every 15 s for days.
+        previous = self._last_error.get(name, "")
+        if error and error != previous:
+            log.warning("collector %s failed: %s", name, error)
+        elif not error and previous:
+            log.info("collector %s recovered", name)
+        self._last_error[name] = error
+
+    def close(self) -> None:
+        """Close every collector (NVML shutdown, threads), each even if another fails."""
+        for collector in self.collectors:
+            try:
+                collector.close()
+            except Exception:
+                log.exception("closing collector %s failed", collector.name)
+
+
+def _merge(merged: dict[str, Metric], family: Metric) -> None:
+    existing = merged.get(family.name)
+    if existing is None:
+        merged[family.name] = family
+        return
+    if existing.type != family.type:
+        raise CollectorError(
+            f"family {family.name} emitted as {family.type} and as {existing.type}"
+        )
+    existing.samples.extend(family.samples)
+
+
+def build_collectors(settings: ExporterSettings) -> list[SourceCollector]:
+    """The source collectors for this host, with `gpu` indices assigned in PCI bus order."""
+    host = settings.host
+    expected_nvidia = expected_amd = None
+    compute_mode = None
+    thermal: dict[str, float] = {}
+    if host is not None:
+        # With a roster, a vendor it does not name is expected to be absent (count 0).
+        expected_nvidia = host.gpus.nvidia.count if host.gpus.nvidia else 0
+        expected_amd = host.gpus.amd.count if host.gpus.amd else 0
+        compute_mode = host.gpus.nvidia.compute_mode if host.gpus.nvidia else None
+        thermal = host.thermal_criticals()
+    gpu_index = GpuIndex()
+    nvidia = NvidiaCollector(
+        load_backend(settings.nvml_fake_scenario),
+        gpu_index=gpu_index,
+        expected_count=expected_nvidia,
+        expected_compute_mode=compute_mode,
+        timeout_seconds=settings.collector_timeout_seconds,
+    )
+    amd = AmdCollector(settings.sysfs, gpu_index=gpu_index, expected_count=expected_amd)
+    gpu_collectors: list[GpuCollector] = [nvidia, amd]
+    # All vendors' GPUs at once, so indices follow PCI bus order across vendors.
+    gpu_index.register(bus_id for c in gpu_collectors for bus_id in c.pci_bus_ids())
+    return [nvidia, amd, HwmonCollector(settings.sysfs, thermal=thermal), HostCollector()]
+
+
+def build_registry(settings: ExporterSettings) -> tuple[CollectorRegistry, FleetCollector]:
+    """A fresh registry holding the fleet collector (and nothing of prometheus_client's)."""
+    fleet = FleetCollector(build_collectors(settings))
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(fleet)
+    return registry, fleet

@@ -1,0 +1,329 @@
+"""The roster (`fleet.yaml`): typed models, complete validation on load, and host resolution.
+
+The roster is the one source of truth shared by the exporter, `gpu-fleet-node` and the
+remediator: hosts, the GPUs each must have, and every model server with its engine, URL,
+systemd unit, role alias and model. The keys are fixed by DESIGN.md ("add keys, don't rename
+them"); unknown keys are refused so that a typo (`servrs:`) stops the start instead of silently
+watching nothing.
+
+Every error names the file and the key path, e.g.
+`fleet.yaml: hosts.dioscuri.servers.alpha.engine: must be one of 'llama', 'vllm'`.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+import socket
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+DEFAULT_ROSTER_PATH = Path("/etc/gpu-fleet/fleet.yaml")
+DEFAULT_HOST_FILE = Path("/etc/gpu-fleet/host")
+DEFAULT_EXPORTER_PORT = 9445
+
+# Names end up in Prometheus labels, unit names and (later) SSH arguments checked against the
+# roster: keep them to a conservative alphabet so none of them can smuggle shell syntax.
+_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
+_UNIT = r"^[A-Za-z0-9][A-Za-z0-9_.@:-]{0,200}\.service$"
+# A hostname per RFC 1123 (labels of letters, digits and hyphens).
+_LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_HOSTNAME = re.compile(rf"^(?=.{{1,253}}$){_LABEL}(\.{_LABEL})*$")
+
+Name = Annotated[str, Field(pattern=_NAME)]
+ComputeMode = Literal["default", "exclusive_thread", "prohibited", "exclusive_process"]
+
+
+class RosterError(Exception):
+    """The roster cannot be used; the message names the file and every bad key path."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SshSettings(_Strict):
+    """How the remediator reaches the host over SSH (the rest comes from ~/.ssh/config)."""
+
+    user: Name | None = None
+    port: int | None = Field(default=None, ge=1, le=65535)
+
+
+class VendorGpus(_Strict):
+    """What a host must have of one vendor's GPUs."""
+
+    count: int = Field(ge=0)
+    compute_mode: ComputeMode | None = None
+
+
+class HostGpus(_Strict):
+    """The GPUs a host must have, by vendor (an AMD iGPU beside NVIDIA cards is fine)."""
+
+    nvidia: VendorGpus | None = None
+    amd: VendorGpus | None = None
+
+    @model_validator(mode="after")
+    def _compute_mode_is_nvidia_only(self) -> HostGpus:
+        # Compute modes are an NVML concept; amdgpu has nothing to compare them with.
+        if self.amd is not None and self.amd.compute_mode is not None:
+            raise ValueError("amd.compute_mode: compute modes exist only for NVIDIA GPUs")
+        return self
+
+
+class PowerBounds(_Strict):
+    """Bounds a power-cap action must stay within for one GPU."""
+
+    min: float = Field(gt=0)
+    max: float = Field(gt=0)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> PowerBounds:
+        if self.min > self.max:
+            raise ValueError(f"min ({self.min}) is above max ({self.max})")
+        return self
+
+
+class ThermalLimit(_Strict):
+    """A critical temperature for a sensor whose hardware reports none (k10temp `Tctl`)."""
+
+    critical_celsius: float = Field(gt=0, le=150)
+
+
+class Server(_Strict):
+    """A model server: a llama-server or vLLM process under a systemd unit."""
+
+    engine: Literal["llama", "vllm"]
+    url: str
+    unit: Annotated[str, Field(pattern=_UNIT)]
+    role: Name
+    model: Annotated[str, Field(min_length=1, max_length=200)]
+    gpu: int | None = Field(default=None, ge=0)
+    api_key_file: Path | None = None
+    timeout_seconds: float = Field(default=2.0, gt=0, le=60)
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, value: str) -> str:
+        parts = urlsplit(value)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("must be an http:// or https:// URL with a host")
+        try:
+            _ = parts.port
+        except ValueError as exc:
+            raise ValueError(f"bad port: {exc}") from None
+        return value.rstrip("/")
+
+    @field_validator("api_key_file")
+    @classmethod
+    def _absolute(cls, value: Path | None) -> Path | None:
+        # Relative paths would depend on the working directory of whichever program reads them.
+        if value is not None and not value.is_absolute():
+            raise ValueError("must be an absolute path")
+        return value
+
+
+class Host(_Strict):
+    """One GPU host of the fleet."""
+
+    address: str
+    exporter_port: int = Field(default=DEFAULT_EXPORTER_PORT, ge=1, le=65535)
+    ssh: SshSettings | None = None
+    local: bool = False
+    gpus: HostGpus = HostGpus()
+    power_cap_watts: dict[int, PowerBounds] = {}
+    thermal: dict[str, ThermalLimit] = {}
+    servers: dict[Name, Server] = {}
+
+    @field_validator("address")
+    @classmethod
+    def _address(cls, value: str) -> str:
+        try:
+            ipaddress.ip_address(value)
+        except ValueError:
+            if not _HOSTNAME.match(value):
+                raise ValueError("must be an IP address or a hostname") from None
+        return value
+
+    @field_validator("power_cap_watts")
+    @classmethod
+    def _gpu_indices(cls, value: dict[int, PowerBounds]) -> dict[int, PowerBounds]:
+        if any(index < 0 for index in value):
+            raise ValueError("keys are `gpu` indices and must be >= 0")
+        return value
+
+    @field_validator("thermal")
+    @classmethod
+    def _chip_sensor(cls, value: dict[str, ThermalLimit]) -> dict[str, ThermalLimit]:
+        for key in value:
+            chip, sep, sensor = key.partition("/")
+            if not sep or not chip or not sensor:
+                raise ValueError(f"key {key!r} must be 'chip/sensor', e.g. 'k10temp/Tctl'")
+        return value
+
+    @model_validator(mode="after")
+    def _gpu_references(self) -> Host:
+        # A server or a power bound naming a GPU the host is not expected to have is a typo
+        # that would otherwise surface only when an action targets it.
+        vendors = [v for v in (self.gpus.nvidia, self.gpus.amd) if v is not None]
+        if not vendors:
+            return self
+        total = sum(v.count for v in vendors)
+        for name, server in self.servers.items():
+            if server.gpu is not None and server.gpu >= total:
+                raise ValueError(
+                    f"servers.{name}.gpu: {server.gpu} is not among the host's {total} GPU(s)"
+                )
+        for index in self.power_cap_watts:
+            if index >= total:
+                raise ValueError(
+                    f"power_cap_watts.{index}: the host has {total} GPU(s), numbered from 0"
+                )
+        return self
+
+    @model_validator(mode="after")
+    def _ports_unique(self) -> Host:
+        seen: dict[tuple[str, int | None], str] = {}
+        for name, server in self.servers.items():
+            parts = urlsplit(server.url)
+            key = (parts.hostname or "", parts.port)
+            if key in seen:
+                raise ValueError(
+                    f"servers {seen[key]!r} and {name!r} share the address {server.url}"
+                )
+            seen[key] = name
+        return self
+
+    def thermal_criticals(self) -> dict[str, float]:
+        """The roster's critical temperatures, `"chip/sensor"` to °C."""
+        return {key: limit.critical_celsius for key, limit in self.thermal.items()}
+
+
+class Roster(_Strict):
+    """The whole fleet."""
+
+    hosts: dict[Name, Host]
+
+
+def _unique_key_loader() -> type[yaml.SafeLoader]:
+    """A SafeLoader that refuses duplicate mapping keys.
+
+    Plain YAML keeps the last of two equal keys, so a second `alpha:` would silently replace
+    the first server; a roster must never lose an entry without saying so.
+    """
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        pass
+
+    def construct_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode) -> dict[Any, Any]:
+        loader.flatten_mapping(node)
+        result: dict[Any, Any] = {}
+        for key_node, value_node in node.value:
+            key = loader.construct_object(key_node, deep=True)  # type: ignore[no-untyped-call]
+            if key in result:
+                mark = key_node.start_mark
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (line {mark.line + 1})", mark
+                )
+            result[key] = loader.construct_object(value_node, deep=True)  # type: ignore[no-untyped-call]
+        return result
+
+    UniqueKeyLoader.add_constructor(
+        yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, construct_mapping
+    )
+    return UniqueKeyLoader
+
+
+def _key_path(loc: tuple[int | str, ...]) -> str:
+    return ".".join(str(part) for part in loc) or "(top level)"
+
+
+def format_validation_error(source: str, exc: ValidationError) -> str:
+    """Every problem of a validation error, one line each: `source: key.path: message`."""
+    lines = []
+    for err in exc.errors():
+        message = err["msg"]
+        if err["type"] == "extra_forbidden":
+            message = "unknown key (check its spelling against DESIGN.md's roster format)"
+        elif err["type"] == "missing":
+            message = "required key is missing"
+        message = message.removeprefix("Value error, ")
+        lines.append(f"{source}: {_key_path(tuple(err['loc']))}: {message}")
+    return "\n".join(lines)
+
+
+def parse_roster(data: Any, source: str) -> Roster:
+    """Validate already-loaded YAML data; `source` names it in errors."""
+    if not isinstance(data, Mapping):
+        raise RosterError(f"{source}: (top level): must be a mapping with a `hosts` key")
+    try:
+        return Roster.model_validate(data)
+    except ValidationError as exc:
+        raise RosterError(format_validation_error(source, exc)) from None
+
+
+def load_roster(path: Path) -> Roster:
+    """Read and validate a roster file; `RosterError` names the file and every bad key."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise RosterError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    try:
+        data = yaml.load(text, Loader=_unique_key_loader())
+    except yaml.YAMLError as exc:
+        raise RosterError(f"{path}: not valid YAML: {exc}") from None
+    return parse_roster(data, str(path))
+
+
+def resolve_host_name(
+    roster: Roster,
+    explicit: str | None,
+    *,
+    host_file: Path = DEFAULT_HOST_FILE,
+    hostname: Callable[[], str] = socket.gethostname,
+) -> str:
+    """Which roster host this machine is.
+
+    In order: `--host`, else the name in `/etc/gpu-fleet/host`, else the machine's hostname
+    (or its first label) when the roster has it. Raises `RosterError` otherwise.
+    """
+    if explicit is not None:
+        if explicit not in roster.hosts:
+            raise RosterError(f"--host {explicit!r}: no such host in the roster ({_known(roster)})")
+        return explicit
+    try:
+        from_file = host_file.read_text(encoding="utf-8").strip()
+    except FileNotFoundError:
+        from_file = ""
+    except OSError as exc:
+        raise RosterError(f"{host_file}: cannot read: {exc.strerror or exc}") from None
+    if from_file:
+        if from_file not in roster.hosts:
+            raise RosterError(
+                f"{host_file}: names host {from_file!r}, which the roster lacks ({_known(roster)})"
+            )
+        return from_file
+    name = hostname()
+    for candidate in (name, name.split(".", 1)[0]):
+        if candidate in roster.hosts:
+            return candidate
+    raise RosterError(
+        f"cannot tell which roster host this is: no --host, no {host_file}, and the hostname "
+        f"{name!r} is not in the roster ({_known(roster)})"
+    )
+
+
+def _known(roster: Roster) -> str:
+    names = sorted(roster.hosts)
+    return "hosts: " + ", ".join(names) if names else "it has no hosts"

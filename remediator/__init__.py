@@ -1,0 +1,1 @@
+"""gpu-fleet's central side: Alertmanager webhooks, playbooks, actions, reports."""

@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.sysfs_tree import write_amd_fleet  # noqa: E402 - needs the repo root on sys.path
+from tests.sysfs_tree import write_amd_fleet, write_k10temp  # noqa: E402 - needs the repo root
 
 CARDS = [0, 1, 2, 3, 10, 11, 12, 13]
 TARGET_RATIO = 0.8
@@ -92,8 +92,7 @@ def find_node_exporter() -> str:
 
 def write_roster(path: Path) -> None:
     path.write_text(
-        "hosts:\n  bench:\n    address: 127.0.0.1\n    gpus:\n"
-        f"      amd: {{count: {len(CARDS)}}}\n"
+        f"hosts:\n  bench:\n    address: 127.0.0.1\n    gpus:\n      amd: {{count: {len(CARDS)}}}\n"
     )
 
 
@@ -107,19 +106,37 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="gpufleet-bench-") as tmp:
         sysfs = Path(tmp) / "sys"
         write_amd_fleet(sysfs, CARDS)
+        write_k10temp(sysfs)  # the host chip of an AMD box, read by both exporters
         roster = Path(tmp) / "fleet.yaml"
         write_roster(roster)
         ours_port, node_port = free_port(), free_port()
         env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
         ours = subprocess.Popen(
-            [str(ours_bin), "--config", str(roster), "--host", "bench", "--sysfs", str(sysfs),
-             "--web.listen-address", f"127.0.0.1:{ours_port}", "--log.level", "warning"],
+            [
+                str(ours_bin),
+                "--config",
+                str(roster),
+                "--host",
+                "bench",
+                "--sysfs",
+                str(sysfs),
+                "--web.listen-address",
+                f"127.0.0.1:{ours_port}",
+                "--log.level",
+                "warning",
+            ],
             env=env,
         )
         node = subprocess.Popen(
-            [node_exporter, "--collector.disable-defaults", "--collector.drm",
-             "--collector.hwmon", f"--path.sysfs={sysfs}",
-             f"--web.listen-address=127.0.0.1:{node_port}", "--log.level=warn"],
+            [
+                node_exporter,
+                "--collector.disable-defaults",
+                "--collector.drm",
+                "--collector.hwmon",
+                f"--path.sysfs={sysfs}",
+                f"--web.listen-address=127.0.0.1:{node_port}",
+                "--log.level=warn",
+            ],
             stderr=subprocess.DEVNULL,
         )
         try:
@@ -128,11 +145,13 @@ def main() -> int:
             _, ours_body = scrape(ours_port)
             _, node_body = scrape(node_port)
             ours_cards = ours_body.count(b"\ngpufleet_gpu_info{")
-            node_cards = len({
-                line.split(b'card="')[1].split(b'"')[0]
-                for line in node_body.splitlines()
-                if line.startswith(b"node_drm_card_info{")
-            })
+            node_cards = len(
+                {
+                    line.split(b'card="')[1].split(b'"')[0]
+                    for line in node_body.splitlines()
+                    if line.startswith(b"node_drm_card_info{")
+                }
+            )
             if b"\nnode_drm_" not in node_body:
                 sys.exit("bench: node_exporter's output has no node_drm_ series")
             if ours_cards != len(CARDS):
@@ -156,10 +175,14 @@ def main() -> int:
     ratio = ours_median / node_median
     print(f"sysfs tree: {len(CARDS)} amdgpu cards (card{', card'.join(map(str, CARDS))})")
     print(f"scrapes: {args.scrapes} of each, alternating")
-    print(f"gpu-fleet-exporter: median {ours_median * 1000:.2f} ms, {ours_cards} cards, "
-          f"{len(ours_body)} bytes, RSS {ours_rss / 2**20:.1f} MiB")
-    print(f"node_exporter:      median {node_median * 1000:.2f} ms, {node_cards} cards, "
-          f"{len(node_body)} bytes, RSS {node_rss / 2**20:.1f} MiB")
+    print(
+        f"gpu-fleet-exporter: median {ours_median * 1000:.2f} ms, {ours_cards} cards, "
+        f"{len(ours_body)} bytes, RSS {ours_rss / 2**20:.1f} MiB"
+    )
+    print(
+        f"node_exporter:      median {node_median * 1000:.2f} ms, {node_cards} cards, "
+        f"{len(node_body)} bytes, RSS {node_rss / 2**20:.1f} MiB"
+    )
     verdict = "met" if ratio <= TARGET_RATIO else "MISSED"
     print(f"ratio ours/node_exporter: {ratio:.2f} (target <= {TARGET_RATIO}: {verdict})")
     return 0

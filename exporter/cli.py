@@ -18,9 +18,10 @@ import threading
 from pathlib import Path
 from types import FrameType
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
 
 from exporter import __version__
+from exporter.exposition import TextWriter
 from exporter.http import MetricsServer, parse_listen_address
 from exporter.registry import ExporterSettings, build_registry
 from exporter.roster import DEFAULT_ROSTER_PATH, Host, RosterError, load_roster, resolve_host_name
@@ -50,9 +51,7 @@ def _parser() -> argparse.ArgumentParser:
         help="address to serve /metrics on (default :9445, all interfaces)",
     )
     p.add_argument("--sysfs", default="/sys", help="sysfs mount point (default /sys)")
-    p.add_argument(
-        "--once", action="store_true", help="print one scrape to stdout and exit 0"
-    )
+    p.add_argument("--once", action="store_true", help="print one scrape to stdout and exit 0")
     p.add_argument(
         "--nvml.fake-scenario",
         dest="nvml_fake_scenario",
@@ -122,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     registry, fleet = build_registry(settings)
     try:
         if args.once:
-            sys.stdout.write(generate_latest(registry).decode())
+            sys.stdout.buffer.write(TextWriter().render_registry(registry))
             sys.stdout.flush()
             return 0
         return _serve(registry, listen)

@@ -1,21 +1,24 @@
 """Serving the exporter over HTTP: `/metrics`, a landing page on `/`, 404 elsewhere.
 
-Built on `prometheus_client`'s WSGI app (content negotiation, gzip) and its threading WSGI
-server, so a slow scraper cannot block a second one. TLS and basic auth from a web config
-file are planned work (`--web.config.file`).
+The text format comes from `exporter.exposition` (gzip when the scraper asks for it), served by
+`prometheus_client`'s threading WSGI server, so a slow scraper cannot block a second one.
+TLS and basic auth from a web config file are planned work (`--web.config.file`).
 """
 
 from __future__ import annotations
 
+import gzip
 import socket
 import threading
 from collections.abc import Iterable
 from wsgiref.simple_server import WSGIRequestHandler, make_server
+from wsgiref.types import StartResponse, WSGIEnvironment
 
-from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import ThreadingWSGIServer
 
 from exporter import __version__
+from exporter.exposition import CONTENT_TYPE, TextWriter
 
 _LANDING = f"""<!doctype html>
 <html><head><title>gpu-fleet-exporter</title></head>
@@ -61,29 +64,30 @@ class MetricsServer:
     """A running exporter endpoint; `port` is the bound one (useful with port 0)."""
 
     def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
-        metrics_app = make_wsgi_app(registry)
+        writer = TextWriter()
 
-        def app(environ: dict[str, object], start_response: object) -> Iterable[bytes]:
+        def app(environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
             path = environ.get("PATH_INFO", "/")
             if path == "/metrics":
-                return metrics_app(environ, start_response)  # type: ignore[arg-type]
+                body = writer.render_registry(registry)
+                headers = [("Content-Type", CONTENT_TYPE)]
+                if "gzip" in environ.get("HTTP_ACCEPT_ENCODING", ""):
+                    body = gzip.compress(body, compresslevel=6)
+                    headers.append(("Content-Encoding", "gzip"))
+                headers.append(("Content-Length", str(len(body))))
+                start_response("200 OK", headers)
+                return [body]
             if path == "/":
-                start_response(  # type: ignore[operator]
-                    "200 OK", [("Content-Type", "text/html; charset=utf-8")]
-                )
+                start_response("200 OK", [("Content-Type", "text/html; charset=utf-8")])
                 return [_LANDING]
-            start_response(  # type: ignore[operator]
-                "404 Not Found", [("Content-Type", "text/plain; charset=utf-8")]
-            )
+            start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
             return [b"not found: the metrics are at /metrics\n"]
 
         self._server = make_server(
             host, port, app, _server_class(host, port), handler_class=_QuietHandler
         )
         self.port: int = self._server.server_address[1]
-        self._thread = threading.Thread(
-            target=self._server.serve_forever, name="http", daemon=True
-        )
+        self._thread = threading.Thread(target=self._server.serve_forever, name="http", daemon=True)
 
     def start(self) -> None:
         """Serve in a background thread."""

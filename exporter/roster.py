@@ -230,13 +230,13 @@ def _unique_key_loader() -> type[yaml.SafeLoader]:
         loader.flatten_mapping(node)
         result: dict[Any, Any] = {}
         for key_node, value_node in node.value:
-            key = loader.construct_object(key_node, deep=True)  # type: ignore[no-untyped-call]
+            key = loader.construct_object(key_node, deep=True)
             if key in result:
                 mark = key_node.start_mark
                 raise yaml.constructor.ConstructorError(
                     None, None, f"duplicate key {key!r} (line {mark.line + 1})", mark
                 )
-            result[key] = loader.construct_object(value_node, deep=True)  # type: ignore[no-untyped-call]
+            result[key] = loader.construct_object(value_node, deep=True)
         return result
 
     UniqueKeyLoader.add_constructor(

@@ -6,6 +6,7 @@ diff like code.
 
 from __future__ import annotations
 
+import difflib
 import os
 from pathlib import Path
 
@@ -31,4 +32,13 @@ def assert_golden(text: str, name: str) -> None:
         path.write_text(text)
     assert path.exists(), f"no golden file {path}: run with GPUFLEET_UPDATE_GOLDEN=1"
     expected = path.read_text()
-    assert text == expected, f"scrape differs from {path}"
+    if text != expected:
+        diff = "".join(
+            difflib.unified_diff(
+                expected.splitlines(keepends=True),
+                text.splitlines(keepends=True),
+                str(path),
+                "scrape",
+            )
+        )
+        raise AssertionError(f"scrape differs from {path}:\n{diff}")

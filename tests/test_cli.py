@@ -103,8 +103,15 @@ def test_once_with_the_fake_nvml_backend(tmp_path: Path) -> None:
     empty_sysfs = tmp_path / "sys"
     empty_sysfs.mkdir()
     result = run(
-        "--once", "--config", str(config), "--host", "theia", "--sysfs", str(empty_sysfs),
-        "--nvml.fake-scenario", str(TWO_GPUS),
+        "--once",
+        "--config",
+        str(config),
+        "--host",
+        "theia",
+        "--sysfs",
+        str(empty_sysfs),
+        "--nvml.fake-scenario",
+        str(TWO_GPUS),
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("gpufleet_gpu_info{") == 2
@@ -119,15 +126,23 @@ def test_nvml_missing_on_a_host_that_expects_nvidia_is_a_collector_failure(
     tmp_path: Path,
 ) -> None:
     config = roster(
-        tmp_path, "hosts:\n  dioscuri:\n    address: 127.0.0.1\n    gpus:\n      nvidia: {count: 2}\n"
+        tmp_path,
+        "hosts:\n  dioscuri:\n    address: 127.0.0.1\n    gpus:\n      nvidia: {count: 2}\n",
     )
     scenario = tmp_path / "missing.yaml"
     scenario.write_text("library_missing: true\n")
     empty_sysfs = tmp_path / "sys"
     empty_sysfs.mkdir()
     result = run(
-        "--once", "--config", str(config), "--host", "dioscuri", "--sysfs", str(empty_sysfs),
-        "--nvml.fake-scenario", str(scenario),
+        "--once",
+        "--config",
+        str(config),
+        "--host",
+        "dioscuri",
+        "--sysfs",
+        str(empty_sysfs),
+        "--nvml.fake-scenario",
+        str(scenario),
     )
     assert result.returncode == 0, result.stderr
     assert 'gpufleet_exporter_collector_success{collector="nvidia"} 0.0' in result.stdout
@@ -139,8 +154,11 @@ def test_nvml_missing_on_a_host_that_expects_nvidia_is_a_collector_failure(
 @pytest.mark.parametrize(
     ("body", "args", "expected"),
     [
-        ("hosts:\n  a:\n    address: 127.0.0.1\n    servrs: {}\n", ["--host", "a"],
-         "hosts.a.servrs: unknown key"),
+        (
+            "hosts:\n  a:\n    address: 127.0.0.1\n    servrs: {}\n",
+            ["--host", "a"],
+            "hosts.a.servrs: unknown key",
+        ),
         ("hosts:\n  a:\n    address: 127.0.0.1\n", ["--host", "b"], "--host 'b': no such host"),
         ("hosts: [\n", ["--host", "a"], "not valid YAML"),
     ],
@@ -170,7 +188,10 @@ def test_not_yet_built_commands_say_so_and_fail() -> None:
     for script in ("gpu-fleet-node", "gpu-fleet-remediator"):
         result = subprocess.run(
             [str(bindir / script), "guard-port", "alpha"],
-            capture_output=True, text=True, check=False, timeout=30,
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=30,
         )
         assert result.returncode != 0
         assert "not built yet" in result.stderr
@@ -189,9 +210,20 @@ def test_serves_metrics_and_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
     config = roster(tmp_path, AMD_HOST.replace("count: 8", "count: 1"))
     port = free_port()
     proc = subprocess.Popen(
-        [EXPORTER, "--config", str(config), "--host", "strix", "--sysfs", str(sysfs),
-         "--web.listen-address", f"127.0.0.1:{port}"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ},
+        [
+            EXPORTER,
+            "--config",
+            str(config),
+            "--host",
+            "strix",
+            "--sysfs",
+            str(sysfs),
+            "--web.listen-address",
+            f"127.0.0.1:{port}",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ},
     )
     try:
         body = ""
@@ -204,7 +236,7 @@ def test_serves_metrics_and_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
                 break
             except (urllib.error.URLError, ConnectionError):
                 time.sleep(0.1)
-        assert 'gpufleet_gpu_info{' in body
+        assert "gpufleet_gpu_info{" in body
         promtool_check(body)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=15) == 0

@@ -85,5 +85,5 @@ def test_listen_addresses(text: str, expected: tuple[str, int]) -> None:
 
 @pytest.mark.parametrize("text", ["9445", "host:port", ":70000"])
 def test_bad_listen_addresses(text: str) -> None:
-    with pytest.raises(ValueError, match=text.split(":")[0] or ":"):
+    with pytest.raises(ValueError, match=text.split(":", maxsplit=1)[0] or ":"):
         parse_listen_address(text)

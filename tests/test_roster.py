@@ -75,9 +75,17 @@ def test_minimal_roster_defaults(tmp_path: Path) -> None:
     ("old", "new", "expected"),
     [
         ("engine: llama", "engine: ollama", "hosts.dioscuri.servers.alpha.engine: Input should be"),
-        ("        role: gpu-dense\n", "", "hosts.dioscuri.servers.alpha.role: required key is missing"),
+        (
+            "        role: gpu-dense\n",
+            "",
+            "hosts.dioscuri.servers.alpha.role: required key is missing",
+        ),
         ("gpu: 1", "gpu: 1\n        gpus: 2", "hosts.dioscuri.servers.alpha.gpus: unknown key"),
-        ("url: http://127.0.0.1:31001/", "url: ftp://x", "hosts.dioscuri.servers.alpha.url: must be"),
+        (
+            "url: http://127.0.0.1:31001/",
+            "url: ftp://x",
+            "hosts.dioscuri.servers.alpha.url: must be",
+        ),
         ("url: http://127.0.0.1:31001/", "url: http://h:99999", "servers.alpha.url: bad port"),
         ("unit: llama-server@alpha.service", "unit: 'x; rm -rf /'", "servers.alpha.unit:"),
         ("alpha:", "'al pha':", "hosts.dioscuri.servers.al pha.[key]: String should match"),
@@ -85,9 +93,16 @@ def test_minimal_roster_defaults(tmp_path: Path) -> None:
         ("compute_mode: exclusive_process", "compute_mode: shared", "nvidia.compute_mode:"),
         ("gpu: 1", "gpu: 2", "servers.alpha.gpu: 2 is not among the host's 2 GPU(s)"),
         ("address: 192.0.2.10", "address: 'not a host!'", "hosts.dioscuri.address: must be"),
-        ("gpu: 1", "gpu: 1\n        timeout_seconds: 0",
-         "servers.alpha.timeout_seconds: Input should be greater than 0"),
-        ("gpu: 1", "gpu: 1\n        api_key_file: relative.key", "api_key_file: must be an absolute"),
+        (
+            "gpu: 1",
+            "gpu: 1\n        timeout_seconds: 0",
+            "servers.alpha.timeout_seconds: Input should be greater than 0",
+        ),
+        (
+            "gpu: 1",
+            "gpu: 1\n        api_key_file: relative.key",
+            "api_key_file: must be an absolute",
+        ),
     ],
 )
 def test_errors_name_the_key_path(tmp_path: Path, old: str, new: str, expected: str) -> None:
@@ -134,14 +149,22 @@ def test_two_servers_on_one_address_are_refused(tmp_path: Path) -> None:
 
 
 def test_power_and_thermal_sections(tmp_path: Path) -> None:
-    base = MINIMAL.replace("    servers:", "    power_cap_watts: {0: {min: 300, max: 250}}\n    servers:")
+    base = MINIMAL.replace(
+        "    servers:", "    power_cap_watts: {0: {min: 300, max: 250}}\n    servers:"
+    )
     assert "power_cap_watts.0: min (300.0) is above max (250.0)" in error_of(tmp_path, base)
-    base = MINIMAL.replace("    servers:", "    power_cap_watts: {5: {min: 1, max: 2}}\n    servers:")
+    base = MINIMAL.replace(
+        "    servers:", "    power_cap_watts: {5: {min: 1, max: 2}}\n    servers:"
+    )
     assert "power_cap_watts.5: the host has 2 GPU(s)" in error_of(tmp_path, base)
-    base = MINIMAL.replace("    servers:", "    thermal: {Tctl: {critical_celsius: 90}}\n    servers:")
+    base = MINIMAL.replace(
+        "    servers:", "    thermal: {Tctl: {critical_celsius: 90}}\n    servers:"
+    )
     assert "thermal: key 'Tctl' must be 'chip/sensor'" in error_of(tmp_path, base)
-    base = MINIMAL.replace("nvidia: {count: 2, compute_mode: exclusive_process}",
-                           "amd: {count: 1, compute_mode: default}")
+    base = MINIMAL.replace(
+        "nvidia: {count: 2, compute_mode: exclusive_process}",
+        "amd: {count: 1, compute_mode: default}",
+    )
     assert "compute modes exist only for NVIDIA GPUs" in error_of(tmp_path, base)
 
 
@@ -150,7 +173,7 @@ def test_not_yaml_and_not_a_mapping(tmp_path: Path) -> None:
     assert "(top level): must be a mapping" in error_of(tmp_path, "- a\n- b\n")
     assert "hosts: required key is missing" in error_of(tmp_path, "{}\n")
     missing = tmp_path / "nope.yaml"
-    with pytest.raises(RosterError, match="nope.yaml: cannot read"):
+    with pytest.raises(RosterError, match=r"nope\.yaml: cannot read"):
         load_roster(missing)
 
 
@@ -159,8 +182,10 @@ def test_host_resolution_order(tmp_path: Path) -> None:
     host_file = tmp_path / "host"
     no_file = tmp_path / "absent"
     # --host wins, and must exist.
-    assert resolve_host_name(roster, "dioscuri", host_file=no_file, hostname=lambda: "x") == "dioscuri"
-    with pytest.raises(RosterError, match="--host 'theia': no such host"):
+    assert (
+        resolve_host_name(roster, "dioscuri", host_file=no_file, hostname=lambda: "x") == "dioscuri"
+    )
+    with pytest.raises(RosterError, match=r"--host 'theia': no such host"):
         resolve_host_name(roster, "theia", host_file=no_file, hostname=lambda: "dioscuri")
     # Then /etc/gpu-fleet/host.
     host_file.write_text("dioscuri\n")
@@ -169,7 +194,10 @@ def test_host_resolution_order(tmp_path: Path) -> None:
     with pytest.raises(RosterError, match="names host 'theia'"):
         resolve_host_name(roster, None, host_file=host_file, hostname=lambda: "dioscuri")
     # Then the hostname, full or its first label.
-    assert resolve_host_name(roster, None, host_file=no_file, hostname=lambda: "dioscuri") == "dioscuri"
+    assert (
+        resolve_host_name(roster, None, host_file=no_file, hostname=lambda: "dioscuri")
+        == "dioscuri"
+    )
     assert (
         resolve_host_name(roster, None, host_file=no_file, hostname=lambda: "dioscuri.lan")
         == "dioscuri"

@@ -1,0 +1,131 @@
+"""Host temperatures from hwmon: CPU (k10temp, coretemp), NVMe drives, ACPI zones, boards.
+
+Every `temp<N>_input` of every chip under `<sysfs>/class/hwmon`, except the `amdgpu` chips
+(the amd collector exports those as GPU temperatures). `chip` is the chip's `name`; chips that
+share a name (two `nvme`) become `nvme`, `nvme_1`… in order of their device paths, which are
+stable across boots (hwmon numbers are not). `sensor` is `temp<N>_label`, else `temp<N>`.
+
+The critical value is the chip's own `temp<N>_crit`; else the roster's `thermal` entry for
+`chip/sensor`; else `DEFAULT_CRITICAL_CELSIUS`; else the series is absent.
+
+Sample output::
+
+    gpufleet_host_temperature_celsius{chip="k10temp",sensor="Tctl"} 65.25
+    gpufleet_host_temperature_critical_celsius{chip="k10temp",sensor="Tctl"} 90.0
+    gpufleet_host_temperature_celsius{chip="nvme_1",sensor="Composite"} 41.85
+
+Check by hand: `sensors` (lm-sensors prints the same chips, e.g. `k10temp-pci-00c3`).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+
+from exporter.sources.hwmon import chip_labels, list_chips
+from exporter.sources.sysfs import StaticValue, read_int
+
+# Critical temperatures for chips that expose none. Documentation/hwmon/k10temp.rst: on
+# Family 17h and later (Zen) k10temp reports Tctl (temp1), Tdie (temp2) and Tccd<N> but no
+# temp*_crit (only older families, with BIOS hardware temperature control enabled, have
+# one). Tctl is the control temperature the CPU throttles on; 90 °C is the Tjmax of most
+# Zen 2/Zen 3 parts and below Zen 4's 95 °C, so it warns early rather than late.
+DEFAULT_CRITICAL_CELSIUS: Mapping[str, float] = MappingProxyType(
+    {"k10temp/Tctl": 90.0, "k10temp/Tdie": 90.0}
+)
+EXCLUDED_CHIPS = frozenset({"amdgpu"})  # exported per GPU by the amd collector
+_NO_THERMAL: Mapping[str, float] = MappingProxyType({})
+
+
+@dataclass(frozen=True, slots=True)
+class _Sensor:
+    chip: str
+    sensor: str
+    input_path: str | None
+    crit: StaticValue[float]
+    fallback_crit: float | None
+
+
+class HwmonCollector:
+    """Collects host temperatures and their critical values from hwmon under `sysfs`."""
+
+    name = "hwmon"
+
+    def __init__(
+        self,
+        sysfs: str = "/sys",
+        *,
+        thermal: Mapping[str, float] = _NO_THERMAL,
+        rediscover_seconds: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._sysfs = sysfs
+        self._thermal = dict(thermal)
+        self._rediscover_seconds = rediscover_seconds
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._entries: frozenset[str] = frozenset()
+        self._sensors: tuple[_Sensor, ...] = ()
+        self._discover()
+        self._next_discovery = clock() + rediscover_seconds
+
+    def _list_entries(self) -> frozenset[str]:
+        try:
+            return frozenset(os.listdir(os.path.join(self._sysfs, "class", "hwmon")))
+        except OSError:
+            return frozenset()
+
+    def _discover(self) -> None:
+        """Rebuild the sensor list when the set of hwmon entries changed (a chip came or went)."""
+        entries = self._list_entries()
+        if entries == self._entries and self._sensors:
+            return
+        self._entries = entries
+        sensors = []
+        for label, chip in chip_labels(list_chips(self._sysfs, exclude_names=EXCLUDED_CHIPS)):
+            for temp in chip.temps:
+                fallback = self._thermal.get(f"{label}/{temp.sensor}")
+                if fallback is None:
+                    fallback = self._thermal.get(f"{chip.name}/{temp.sensor}")
+                if fallback is None:
+                    fallback = DEFAULT_CRITICAL_CELSIUS.get(f"{chip.name}/{temp.sensor}")
+                sensors.append(_Sensor(label, temp.sensor, temp.input_path, temp.crit, fallback))
+        self._sensors = tuple(sensors)
+
+    def collect(self) -> Iterator[Metric]:
+        """Yield the temperature and critical-temperature families."""
+        if self._clock() >= self._next_discovery:
+            with self._lock:
+                if self._clock() >= self._next_discovery:
+                    self._discover()
+                    self._next_discovery = self._clock() + self._rediscover_seconds
+        temp = GaugeMetricFamily(
+            "gpufleet_host_temperature_celsius", "Host temperature.", labels=["chip", "sensor"]
+        )
+        crit = GaugeMetricFamily(
+            "gpufleet_host_temperature_critical_celsius",
+            "Critical temperature: the chip's own, else the roster's, else a known default.",
+            labels=["chip", "sensor"],
+        )
+        for s in self._sensors:
+            labels = (s.chip, s.sensor)
+            # Documentation/hwmon/sysfs-interface.rst: temp*_input is in millidegrees Celsius.
+            value = None if s.input_path is None else read_int(s.input_path)
+            if value is not None:
+                temp.add_metric(labels, value / 1000)
+            critical = s.crit.get()
+            if critical is None:
+                critical = s.fallback_crit
+            if critical is not None:
+                crit.add_metric(labels, critical)
+        yield from (family for family in (temp, crit) if family.samples)
+
+    def close(self) -> None:
+        """Nothing to release: the collector holds no open files or threads."""

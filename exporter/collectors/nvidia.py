@@ -1,0 +1,857 @@
+"""NVIDIA GPUs through NVML (`nvidia-ml-py`), read on one worker thread under a deadline.
+
+Sample output (`gpu-fleet-exporter --nvml.fake-scenario examples/nvml-fake/two-h200.yaml --once`)::
+
+    gpufleet_gpu_info{card="",gpu="0",model="NVIDIA H200",pci_bus_id="0000:18:00.0",...} 1.0
+    gpufleet_gpu_up{gpu="0"} 1.0
+    gpufleet_gpu_power_watts{gpu="0"} 612.48
+    gpufleet_gpu_throttle_active{gpu="1",reason="sw_power_cap"} 1.0
+    gpufleet_gpu_compute_mode{gpu="0",mode="exclusive_process"} 1.0
+
+Check a real host by hand with `nvidia-smi -q` or, for the common fields,
+`nvidia-smi --query-gpu=pci.bus_id,uuid,utilization.gpu,memory.used,memory.reserved,\
+temperature.gpu,power.draw,power.limit,clocks.sm,clocks_event_reasons.active,compute_mode
+--format=csv`.
+
+How it copes with a GPU falling off the bus:
+
+- Every NVML call runs on one dedicated worker thread, because a call to a dying GPU can block
+  for tens of seconds inside the driver. `collect()` waits for the worker at most
+  `timeout_seconds`; devices already read are exported, the rest report `gpufleet_gpu_up 0`,
+  and `CollectorError` marks the scrape. While the worker is still stuck, no more work is
+  queued behind it: scrapes answer at once until the call returns.
+- A call raising NOT_SUPPORTED (or another error that is not about the device as a whole) drops
+  that field only. GPU_IS_LOST turns the device to `gpufleet_gpu_up 0`; it keeps its `gpu`
+  index and `gpufleet_gpu_info`, and the other GPUs are unaffected.
+- NVML is re-initialised after such failures (at most once per `reinit_interval_seconds`).
+  NVML may number its devices differently afterwards, so devices are keyed by PCI bus id and
+  `gpu` indices come from the shared `GpuIndex`, never from NVML.
+- Xid errors arrive as NVML events. The same worker waits for them briefly between scrapes and
+  before each scrape, so NVML is only ever used from that one thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import pynvml
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+
+from exporter.collectors.base import CollectorError
+from exporter.gpu_index import GpuIndex, normalize_pci_bus_id
+from exporter.sources.nvml import (
+    CLOCKS_EVENT_REASONS,
+    COMPUTE_MODES,
+    NvmlBackend,
+    error_code,
+    field_value,
+    handle_key,
+    is_gpu_lost,
+    is_library_missing,
+    is_not_supported,
+    is_timeout,
+    needs_reinit,
+    pci_id,
+)
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+VENDOR = "nvidia"
+
+# Event waits are short so that a scrape never queues long behind one; between scrapes the
+# worker polls every second, so the driver's event queue is drained even without scrapes.
+_XID_WAIT_MS = 10
+_IDLE_POLL_SECONDS = 1.0
+_MAX_EVENTS_PER_DRAIN = 256
+
+_CLOCKS = (
+    ("sm", pynvml.NVML_CLOCK_SM),
+    ("memory", pynvml.NVML_CLOCK_MEM),
+    ("graphics", pynvml.NVML_CLOCK_GRAPHICS),
+)
+_ECC_KINDS = (
+    ("corrected", pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED),
+    ("uncorrected", pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED),
+)
+_RETIREMENT_CAUSES = (
+    ("single_bit_ecc", pynvml.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS),
+    ("double_bit_ecc", pynvml.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR),
+)
+
+
+@dataclass(frozen=True)
+class _Spec:
+    counter: bool
+    help: str
+    labels: tuple[str, ...]  # after `gpu`
+
+
+# Per-device families, in exposition order. Counters are named without `_total`, which
+# prometheus_client appends to the sample.
+_SPECS: dict[str, _Spec] = {
+    "gpufleet_gpu_utilization_ratio": _Spec(
+        False, "Share of the last sample period in which a kernel ran (NVML).", ()
+    ),
+    "gpufleet_gpu_memory_utilization_ratio": _Spec(
+        False, "Share of the last sample period in which device memory was accessed.", ()
+    ),
+    "gpufleet_gpu_memory_used_bytes": _Spec(
+        False, "GPU memory in use, by pool (NVIDIA: vram allocated, reserved by the driver).",
+        ("pool",),
+    ),
+    "gpufleet_gpu_memory_total_bytes": _Spec(False, "GPU memory size, by pool.", ("pool",)),
+    "gpufleet_gpu_temperature_celsius": _Spec(False, "GPU temperature, by sensor.", ("sensor",)),
+    "gpufleet_gpu_temperature_critical_celsius": _Spec(
+        False, "The hardware's critical temperature (NVIDIA: shutdown / memory max).", ("sensor",)
+    ),
+    "gpufleet_gpu_temperature_slowdown_celsius": _Spec(
+        False, "Temperature at which the hardware slows its clocks.", ("sensor",)
+    ),
+    "gpufleet_gpu_power_watts": _Spec(False, "Power draw.", ()),
+    "gpufleet_gpu_power_limit_watts": _Spec(
+        False, "Power limits: current (enforced), default, min, max.", ("kind",)
+    ),
+    "gpufleet_gpu_energy_joules": _Spec(True, "Energy used since the driver loaded.", ()),
+    "gpufleet_gpu_fan_speed_ratio": _Spec(False, "Intended fan speed, 0-1.", ()),
+    "gpufleet_gpu_clock_hertz": _Spec(False, "Current clock frequency.", ("clock",)),
+    "gpufleet_gpu_clock_max_hertz": _Spec(False, "Maximum clock frequency.", ("clock",)),
+    "gpufleet_gpu_throttle_active": _Spec(
+        False, "1 while the clock-event (throttle) reason holds clocks down.", ("reason",)
+    ),
+    "gpufleet_gpu_pcie_link_generation": _Spec(False, "Current PCIe link generation.", ()),
+    "gpufleet_gpu_pcie_link_width": _Spec(False, "Current PCIe link width (lanes).", ()),
+    "gpufleet_gpu_pcie_replay_errors": _Spec(True, "PCIe replays.", ()),
+    "gpufleet_gpu_ecc_errors": _Spec(True, "ECC errors, lifetime (aggregate).", ("kind",)),
+    "gpufleet_gpu_retired_pages": _Spec(False, "Retired memory pages, by cause.", ("cause",)),
+    "gpufleet_gpu_retired_pages_pending": _Spec(
+        False, "1 when a page retirement waits for the next driver reload.", ()
+    ),
+    "gpufleet_gpu_remapped_rows": _Spec(False, "Remapped memory rows, by kind.", ("kind",)),
+    "gpufleet_gpu_remapped_rows_pending": _Spec(
+        False, "1 when a row remapping waits for a GPU reset.", ()
+    ),
+    "gpufleet_gpu_remapped_rows_failed": _Spec(
+        False, "1 when a row remapping failed (the GPU needs service).", ()
+    ),
+    "gpufleet_gpu_compute_mode": _Spec(False, "1 for the GPU's NVML compute mode.", ("mode",)),
+}
+
+
+class _DeviceDown(Exception):
+    """The device cannot be read this scrape: it is lost, or NVML's own state is broken."""
+
+
+@dataclass
+class _Device:
+    """What the worker knows of one NVIDIA GPU, keyed by PCI bus id for the exporter's life."""
+
+    bus_id: str
+    pci_id: str
+    handle: object | None = None  # None: not enumerated by the last nvmlInit
+    lost: bool = False  # GPU_IS_LOST since the last nvmlInit: not called again until re-init
+    uuid: str = ""
+    model: str = ""
+    vbios: str = ""
+    identity_read: bool = False
+    static: dict[str, int] = field(default_factory=dict)  # values that never change
+    memory_v2: bool | None = None  # whether nvmlDeviceGetMemoryInfo_v2 works (old drivers)
+
+
+@dataclass(frozen=True)
+class _Identity:
+    bus_id: str
+    pci_id: str
+    uuid: str
+    model: str
+    vbios: str
+
+
+@dataclass
+class _Reading:
+    """One device's samples of one scrape, labels after `gpu`."""
+
+    up: bool
+    samples: dict[str, list[tuple[tuple[str, ...], float]]] = field(default_factory=dict)
+
+
+class _Job:
+    """A unit of work for the worker; `collect()` reads its per-device results as they land."""
+
+    def __init__(self, run: Callable[[_Job], None]) -> None:
+        self.run = run
+        self.done = threading.Event()
+        self.cancelled = threading.Event()
+        self.failure: str | None = None
+        self._lock = threading.Lock()
+        self._readings: dict[str, _Reading] = {}
+
+    def record(self, bus_id: str, reading: _Reading) -> None:
+        with self._lock:
+            self._readings[bus_id] = reading
+
+    def readings(self) -> dict[str, _Reading]:
+        with self._lock:
+            return dict(self._readings)
+
+
+class _DeviceRead:
+    """One device's NVML calls within one scrape, each answer sorted by what it means."""
+
+    def __init__(self, collector: NvidiaCollector, device: _Device) -> None:
+        self._collector = collector
+        self.device = device
+        self.answers = 0
+        self.errors = 0
+        self.samples: dict[str, list[tuple[tuple[str, ...], float]]] = {}
+
+    def add(self, family: str, labels: tuple[str, ...], value: float) -> None:
+        self.samples.setdefault(family, []).append((labels, float(value)))
+
+    def get(self, fn: Callable[..., T], *args: object) -> T | None:
+        """The call's answer, or None when it failed for this field alone."""
+        try:
+            value = self._collector._call(self.device.bus_id, fn, *args)
+        except pynvml.NVMLError as err:
+            self.failed(getattr(fn, "__name__", "nvml"), err)
+            return None
+        self.answers += 1
+        return value
+
+    def field(self, field_id: int) -> float | None:
+        """One `NVML_FI_*` value; each field of nvmlDeviceGetFieldValues fails on its own."""
+        nvml = self._collector._nvml
+        values = self.get(nvml.nvmlDeviceGetFieldValues, self.device.handle, [field_id])
+        if not values:
+            return None
+        try:
+            return field_value(values[0])
+        except pynvml.NVMLError as err:
+            self.failed(f"nvmlDeviceGetFieldValues({field_id})", err)
+            return None
+
+    def static(self, key: str, fn: Callable[..., int], *args: object) -> int | None:
+        """A value that never changes for the device: read until it is known, then cached."""
+        cached = self.device.static.get(key)
+        if cached is not None:
+            return cached
+        value = self.get(fn, *args)
+        if value is not None:
+            self.device.static[key] = value
+        return value
+
+    def failed(self, call: str, err: BaseException) -> None:
+        """Sort a failure: raise `_DeviceDown` for the device as a whole, else drop the field."""
+        collector, device = self._collector, self.device
+        if is_gpu_lost(err):
+            device.lost = True
+            collector._needs_reinit = True
+            collector._log_once(device.bus_id, call, err, "the GPU reads as down until re-init")
+            raise _DeviceDown(device.bus_id) from err
+        if needs_reinit(err):
+            collector._needs_reinit = True
+            collector._log_once(device.bus_id, call, err, "NVML needs re-initialisation")
+            raise _DeviceDown(device.bus_id) from err
+        if not is_not_supported(err):
+            # No permission, an unknown error...: the field is unknown, so it is left out; a
+            # device whose every call fails like this reads as down (see `_read_device`).
+            self.errors += 1
+            collector._log_once(device.bus_id, call, err, "field left out")
+
+
+class NvidiaCollector:
+    """NVIDIA GPUs via an NVML backend (`pynvml`, or `FakeNvml` in tests and demos)."""
+
+    name = "nvidia"
+
+    def __init__(
+        self,
+        backend: NvmlBackend,
+        *,
+        gpu_index: GpuIndex,
+        expected_count: int | None,
+        expected_compute_mode: str | None = None,
+        timeout_seconds: float = 4.0,
+        reinit_interval_seconds: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if expected_count is not None and expected_count < 0:
+            raise ValueError(f"expected_count must be >= 0, not {expected_count}")
+        if expected_compute_mode is not None and expected_compute_mode not in COMPUTE_MODES:
+            raise ValueError(
+                f"expected_compute_mode must be one of {', '.join(COMPUTE_MODES)}, "
+                f"not {expected_compute_mode!r}"
+            )
+        self._nvml = backend
+        self._gpu_index = gpu_index
+        self._expected = expected_count
+        self._expected_mode = expected_compute_mode
+        self._timeout = timeout_seconds
+        self._reinit_interval = reinit_interval_seconds
+        self._clock = clock
+        # Guards what collect() reads while the worker writes: devices, Xid counts, busy job.
+        self._lock = threading.Lock()
+        self._devices: dict[str, _Device] = {}
+        self._xids: dict[str, dict[int, int]] = {}
+        self._busy: _Job | None = None
+        self._closed = False
+        # The worker's own state (touched only on the worker thread).
+        self._initialized = False
+        self._init_error: BaseException | None = None
+        self._needs_reinit = False
+        self._last_init_attempt: float | None = None
+        self._event_set: object | None = None
+        self._bus_by_handle: dict[int, str] = {}
+        self._logged: set[tuple[str, str, int | None]] = set()
+        # (call, bus id, since): what the worker is inside of, for the timeout's message.
+        self._in_call: tuple[str, str | None, float] | None = None
+        self._jobs: queue.Queue[_Job | None] = queue.Queue()
+        self._worker = threading.Thread(target=self._work, name="nvml-worker", daemon=True)
+        self._worker.start()
+        # Initialise and enumerate now, so pci_bus_ids() can answer before `gpu` indices are
+        # assigned; under the deadline, since nvmlInit itself can hang on a sick GPU.
+        job = self._submit(self._start)
+        if job is not None and not job.done.wait(timeout_seconds):
+            log.warning(
+                "NVML initialisation did not finish within %g s (%s); NVIDIA GPUs found later "
+                "get `gpu` indices after the other vendors' GPUs",
+                timeout_seconds,
+                self._describe_call(),
+            )
+
+    # -- the collector contract ----------------------------------------------------------------
+
+    def pci_bus_ids(self) -> list[str]:
+        """PCI bus ids (sysfs form) of the NVIDIA GPUs found so far."""
+        with self._lock:
+            return sorted(self._devices)
+
+    def collect(self) -> Iterator[Metric]:
+        """One scrape; yields what it could read, then raises `CollectorError` on a failure."""
+        job = self._submit(self._scrape)
+        if job is None:
+            if self._closed:
+                return
+            # Still inside a call from an earlier scrape: queueing behind it would only stack
+            # up stuck scrapes. Report every GPU as not readable, at once.
+            message = f"NVML worker still stuck in {self._describe_call()}; no new NVML work queued"
+            yield from self._families({})
+            raise CollectorError(message)
+        finished = job.done.wait(self._timeout)
+        if not finished:
+            job.cancelled.set()  # the worker stops this job when the stuck call returns
+            message = (
+                f"NVML call {self._describe_call()} did not return within {self._timeout:g} s"
+            )
+        yield from self._families(job.readings())
+        if not finished:
+            raise CollectorError(message)
+        if job.failure is not None:
+            raise CollectorError(job.failure)
+
+    def close(self) -> None:
+        """Stop the worker (which frees the event set and shuts NVML down)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._jobs.put(None)
+        self._worker.join(self._timeout)
+        if self._worker.is_alive():
+            log.warning(
+                "NVML worker did not stop within %g s (in %s); leaving it behind",
+                self._timeout,
+                self._describe_call(),
+            )
+
+    # -- families ------------------------------------------------------------------------------
+
+    def _families(self, readings: dict[str, _Reading]) -> Iterator[Metric]:
+        with self._lock:
+            devices = sorted(
+                (
+                    self._gpu_index.index_of(d.bus_id),
+                    _Identity(d.bus_id, d.pci_id, d.uuid, d.model, d.vbios),
+                )
+                for d in self._devices.values()
+            )
+            xids = {bus_id: dict(counts) for bus_id, counts in self._xids.items()}
+        info = GaugeMetricFamily(
+            "gpufleet_gpu_info",
+            "GPU identity; the value is 1.",
+            labels=["gpu", "uuid", "pci_bus_id", "vendor", "model", "pci_id", "card", "vbios"],
+        )
+        up = GaugeMetricFamily("gpufleet_gpu_up", "1 when the GPU could be read.", labels=["gpu"])
+        per_device: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
+            name: (CounterMetricFamily if spec.counter else GaugeMetricFamily)(
+                name, spec.help, labels=["gpu", *spec.labels]
+            )
+            for name, spec in _SPECS.items()
+        }
+        expected_mode = GaugeMetricFamily(
+            "gpufleet_gpu_compute_mode_expected",
+            "1 for the compute mode the roster expects.",
+            labels=["gpu", "mode"],
+        )
+        xid = CounterMetricFamily(
+            "gpufleet_gpu_xid_errors", "Xid errors reported by the driver.", labels=["gpu", "xid"]
+        )
+        gpus_up = 0
+        for index, ident in devices:
+            gpu = str(index)
+            info.add_metric(
+                [gpu, ident.uuid, ident.bus_id, VENDOR, ident.model, ident.pci_id, "", ident.vbios],
+                1,
+            )
+            reading = readings.get(ident.bus_id)
+            if reading is not None and reading.up:
+                gpus_up += 1
+                up.add_metric([gpu], 1)
+                for name, samples in reading.samples.items():
+                    for labels, value in samples:
+                        per_device[name].add_metric([gpu, *labels], value)
+            else:
+                up.add_metric([gpu], 0)
+            if self._expected_mode is not None:
+                for mode in COMPUTE_MODES:
+                    expected_mode.add_metric([gpu, mode], 1 if mode == self._expected_mode else 0)
+            for code, count in sorted(xids.get(ident.bus_id, {}).items()):
+                xid.add_metric([gpu, str(code)], count)
+        families: list[Metric] = [info, up]
+        if self._expected is not None:
+            expected = GaugeMetricFamily(
+                "gpufleet_gpus_expected", "GPUs the roster expects.", labels=["vendor"]
+            )
+            expected.add_metric([VENDOR], self._expected)
+            lost = GaugeMetricFamily(
+                "gpufleet_gpus_lost", "Expected GPUs that are missing or down.", labels=["vendor"]
+            )
+            lost.add_metric([VENDOR], max(0, self._expected - gpus_up))
+            families += [expected, lost]
+        families += [*per_device.values(), expected_mode, xid]
+        # Only families with samples: on a host without NVIDIA GPUs this collector is silent.
+        yield from (f for f in families if f.samples)
+
+    # -- the worker ----------------------------------------------------------------------------
+
+    def _submit(self, run: Callable[[_Job], None]) -> _Job | None:
+        """Queue a job, unless closed or the worker is still busy with an earlier one."""
+        with self._lock:
+            if self._closed or self._busy is not None:
+                return None
+            job = _Job(run)
+            self._busy = job
+        self._jobs.put(job)
+        return job
+
+    def _work(self) -> None:
+        while True:
+            try:
+                job = self._jobs.get(timeout=_IDLE_POLL_SECONDS)
+            except queue.Empty:
+                self._guarded(self._drain_xids)
+                continue
+            if job is None:
+                self._guarded(self._stop)
+                return
+            try:
+                job.run(job)
+            except Exception as err:
+                # A bug here must not kill the thread every later scrape depends on.
+                log.exception("NVML worker job failed")
+                job.failure = f"NVML worker failed: {type(err).__name__}: {err}"
+            finally:
+                with self._lock:
+                    self._busy = None
+                job.done.set()
+
+    def _guarded(self, step: Callable[[], None]) -> None:
+        try:
+            step()
+        except Exception:
+            log.exception("NVML worker step %s failed", getattr(step, "__name__", step))
+
+    def _call(self, bus_id: str | None, fn: Callable[..., T], *args: object) -> T:
+        """Every NVML call goes through here, so a timeout can name the call it is stuck in."""
+        self._in_call = (getattr(fn, "__name__", "nvml"), bus_id, time.monotonic())
+        try:
+            return fn(*args)
+        finally:
+            self._in_call = None
+
+    def _describe_call(self) -> str:
+        in_call = self._in_call
+        if in_call is None:
+            return "(between calls)"
+        name, bus_id, since = in_call
+        where = f" on GPU {bus_id}" if bus_id else ""
+        return f"{name}{where} (for {time.monotonic() - since:.1f} s)"
+
+    def _log_once(self, bus_id: str, call: str, err: BaseException, what: str) -> None:
+        # A lost GPU fails the same way every scrape; one line per (GPU, call, error) is enough.
+        key = (bus_id, call, error_code(err))
+        if key not in self._logged:
+            self._logged.add(key)
+            log.warning("NVML %s on %s: %s (%s)", call, bus_id or "-", err, what)
+
+    # -- NVML life cycle (worker thread) ---------------------------------------------------------
+
+    def _start(self, job: _Job) -> None:
+        self._reinit()
+
+    def _stop(self) -> None:
+        self._free_event_set()
+        if self._initialized:
+            self._initialized = False
+            try:
+                self._call(None, self._nvml.nvmlShutdown)
+            except pynvml.NVMLError as err:
+                log.debug("nvmlShutdown failed on close: %s", err)
+
+    def _reinit_due(self) -> bool:
+        if self._initialized and not self._needs_reinit:
+            return False
+        last = self._last_init_attempt
+        return last is None or self._clock() - last >= self._reinit_interval
+
+    def _reinit(self) -> None:
+        """(Re-)initialise NVML and re-enumerate: handles from before do not outlive it."""
+        self._last_init_attempt = self._clock()
+        self._needs_reinit = False
+        if self._initialized:
+            self._free_event_set()
+            self._initialized = False
+            try:
+                self._call(None, self._nvml.nvmlShutdown)
+            except pynvml.NVMLError as err:
+                # Best effort: NVML may already consider itself shut down.
+                log.debug("nvmlShutdown before re-init failed: %s", err)
+        try:
+            self._call(None, self._nvml.nvmlInit)
+        except pynvml.NVMLError as err:
+            self._init_error = err
+            with self._lock:
+                for device in self._devices.values():
+                    device.handle = None
+            with self._lock:
+                known = bool(self._devices)
+            if is_library_missing(err) and not known and not self._expected:
+                # A host without NVIDIA (none expected, none ever seen): nothing to say.
+                log.debug("NVML not available: %s", err)
+            else:
+                self._log_once("", "nvmlInit", err, "no NVIDIA GPU can be read")
+            return
+        self._initialized = True
+        self._init_error = None
+        self._enumerate()
+        self._register_events()
+
+    def _enumerate(self) -> None:
+        found: dict[str, object] = {}
+        try:
+            count = self._call(None, self._nvml.nvmlDeviceGetCount)
+        except pynvml.NVMLError as err:
+            self._needs_reinit = True
+            self._log_once("", "nvmlDeviceGetCount", err, "no NVIDIA GPU can be read")
+            count = 0
+        for index in range(count):
+            try:
+                handle = self._call(None, self._nvml.nvmlDeviceGetHandleByIndex, index)
+                info = self._call(None, self._nvml.nvmlDeviceGetPciInfo, handle)
+                bus_id = normalize_pci_bus_id(info.busId)
+            except (pynvml.NVMLError, ValueError) as err:
+                # Without its PCI bus id a device cannot get a `gpu` index; it still counts
+                # against `gpufleet_gpus_expected` through `gpufleet_gpus_lost`.
+                self._log_once("", f"nvml device {index}", err, "device skipped")
+                continue
+            with self._lock:
+                device = self._devices.get(bus_id)
+                if device is None:
+                    device = _Device(bus_id, pci_id(info.pciDeviceId))
+                    self._devices[bus_id] = device
+                device.handle = handle
+                device.lost = False
+            found[bus_id] = handle
+        with self._lock:
+            devices = list(self._devices.values())
+            for device in devices:
+                if device.bus_id not in found:
+                    device.handle = None  # vanished: `gpu_up 0`, index and info kept
+        self._bus_by_handle = {handle_key(h): bus_id for bus_id, h in found.items()}
+        for device in devices:
+            if device.handle is not None and not device.identity_read:
+                try:
+                    self._read_identity(_DeviceRead(self, device))
+                except _DeviceDown:
+                    continue
+
+    def _read_identity(self, read: _DeviceRead) -> None:
+        nvml, handle = self._nvml, read.device.handle
+        model = read.get(nvml.nvmlDeviceGetName, handle)
+        uuid = read.get(nvml.nvmlDeviceGetUUID, handle)
+        vbios = read.get(nvml.nvmlDeviceGetVbiosVersion, handle)
+        with self._lock:
+            read.device.model = model or ""
+            read.device.uuid = uuid or ""
+            read.device.vbios = vbios or ""
+            read.device.identity_read = True
+
+    def _register_events(self) -> None:
+        with self._lock:
+            targets = [
+                (d.bus_id, d.handle)
+                for d in self._devices.values()
+                if d.handle is not None and not d.lost
+            ]
+        if not targets:
+            return
+        try:
+            event_set = self._call(None, self._nvml.nvmlEventSetCreate)
+        except pynvml.NVMLError as err:
+            self._log_once("", "nvmlEventSetCreate", err, "Xid errors will not be counted")
+            return
+        registered = 0
+        for bus_id, handle in targets:
+            try:
+                self._call(
+                    bus_id,
+                    self._nvml.nvmlDeviceRegisterEvents,
+                    handle,
+                    pynvml.nvmlEventTypeXidCriticalError,
+                    event_set,
+                )
+            except pynvml.NVMLError as err:
+                # NOT_SUPPORTED on some boards and in some VMs (nvml.h: "Only supported on
+                # Fermi and newer, Linux only"): no Xid series for that GPU, nothing else lost.
+                if not is_not_supported(err):
+                    self._log_once(bus_id, "nvmlDeviceRegisterEvents", err, "no Xid counting")
+                continue
+            registered += 1
+        if registered:
+            self._event_set = event_set
+            return
+        try:
+            self._call(None, self._nvml.nvmlEventSetFree, event_set)
+        except pynvml.NVMLError as err:
+            log.debug("nvmlEventSetFree failed: %s", err)
+
+    def _free_event_set(self) -> None:
+        event_set, self._event_set = self._event_set, None
+        if event_set is None:
+            return
+        try:
+            self._call(None, self._nvml.nvmlEventSetFree, event_set)
+        except pynvml.NVMLError as err:
+            log.debug("nvmlEventSetFree failed: %s", err)
+
+    def _drain_xids(self) -> None:
+        """Count the Xid events waiting in the event set (each wait is short)."""
+        event_set = self._event_set
+        if event_set is None or not self._initialized:
+            return
+        for _ in range(_MAX_EVENTS_PER_DRAIN):
+            try:
+                data = self._call(None, self._nvml.nvmlEventSetWait_v2, event_set, _XID_WAIT_MS)
+            except pynvml.NVMLError as err:
+                if is_timeout(err):
+                    return  # nothing waiting: the normal case
+                if is_gpu_lost(err) or needs_reinit(err):
+                    self._needs_reinit = True
+                self._log_once("", "nvmlEventSetWait_v2", err, "Xid counting paused")
+                return
+            if not data.eventType & pynvml.nvmlEventTypeXidCriticalError:
+                continue
+            # An event's `device` is a new pointer object to the same device: match by address.
+            bus_id = self._bus_by_handle.get(handle_key(data.device))
+            if bus_id is None:
+                log.warning("Xid %d on a device NVML did not enumerate", data.eventData)
+                continue
+            # nvml.h nvmlEventData_t: eventData is the Xid, 999 for an unknown Xid.
+            code = int(data.eventData)
+            with self._lock:
+                counts = self._xids.setdefault(bus_id, {})
+                counts[code] = counts.get(code, 0) + 1
+
+    # -- a scrape (worker thread) ----------------------------------------------------------------
+
+    def _scrape(self, job: _Job) -> None:
+        if self._reinit_due():
+            self._reinit()
+        if not self._initialized:
+            job.failure = self._init_failure()
+            return
+        self._drain_xids()
+        with self._lock:
+            devices = sorted(self._devices.values(), key=lambda d: d.bus_id)
+        for device in devices:
+            if job.cancelled.is_set():
+                return  # the deadline passed during an earlier call: nobody reads the rest
+            job.record(device.bus_id, self._read_device(device))
+
+    def _init_failure(self) -> str | None:
+        err = self._init_error
+        expected = self._expected or 0
+        with self._lock:
+            known = bool(self._devices)
+        if err is not None and is_library_missing(err) and not known and expected == 0:
+            return None  # no NVIDIA driver and none expected: a host without NVIDIA GPUs
+        why = f"{type(err).__name__}: {err}" if err is not None else "not initialised"
+        roster = f"; the roster expects {expected} NVIDIA GPUs" if expected else ""
+        return f"NVML unavailable ({why}){roster}"
+
+    def _read_device(self, device: _Device) -> _Reading:
+        if device.handle is None or device.lost:
+            return _Reading(up=False)
+        read = _DeviceRead(self, device)
+        try:
+            if not device.identity_read:
+                self._read_identity(read)
+            self._read_fields(read)
+        except _DeviceDown:
+            return _Reading(up=False)
+        # Every call failing (and not as "not supported") is a GPU that answers nothing.
+        up = read.answers > 0 or read.errors == 0
+        return _Reading(up=up, samples=read.samples if up else {})
+
+    def _read_fields(self, r: _DeviceRead) -> None:
+        nvml, h = self._nvml, r.device.handle
+
+        util = r.get(nvml.nvmlDeviceGetUtilizationRates, h)
+        if util is not None:
+            r.add("gpufleet_gpu_utilization_ratio", (), util.gpu / 100)
+            r.add("gpufleet_gpu_memory_utilization_ratio", (), util.memory / 100)
+
+        self._read_memory(r)
+
+        temp = r.get(nvml.nvmlDeviceGetTemperature, h, pynvml.NVML_TEMPERATURE_GPU)
+        if temp is not None:
+            r.add("gpufleet_gpu_temperature_celsius", ("gpu",), temp)
+        # HBM temperature has no call of its own, only a field id (nvml.h NVML_FI_DEV_MEMORY_TEMP).
+        mem_temp = r.field(pynvml.NVML_FI_DEV_MEMORY_TEMP)
+        if mem_temp is not None:
+            r.add("gpufleet_gpu_temperature_celsius", ("memory",), mem_temp)
+        for family, sensor, threshold in (
+            ("gpufleet_gpu_temperature_critical_celsius", "gpu",
+             pynvml.NVML_TEMPERATURE_THRESHOLD_SHUTDOWN),
+            ("gpufleet_gpu_temperature_critical_celsius", "memory",
+             pynvml.NVML_TEMPERATURE_THRESHOLD_MEM_MAX),
+            ("gpufleet_gpu_temperature_slowdown_celsius", "gpu",
+             pynvml.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN),
+        ):  # fmt: skip
+            limit = r.static(
+                f"threshold:{threshold}", nvml.nvmlDeviceGetTemperatureThreshold, h, threshold
+            )
+            if limit is not None:
+                r.add(family, (sensor,), limit)
+
+        self._read_power(r)
+
+        fan = r.get(nvml.nvmlDeviceGetFanSpeed, h)
+        if fan is not None:
+            # nvml.h: the intended speed, which "may exceed 100% in some cases"; kept as is.
+            r.add("gpufleet_gpu_fan_speed_ratio", (), fan / 100)
+
+        for clock, clock_type in _CLOCKS:
+            current = r.get(nvml.nvmlDeviceGetClockInfo, h, clock_type)
+            if current is not None:
+                r.add("gpufleet_gpu_clock_hertz", (clock,), current * 1e6)
+            top = r.static(f"max_clock:{clock_type}", nvml.nvmlDeviceGetMaxClockInfo, h, clock_type)
+            if top is not None:
+                r.add("gpufleet_gpu_clock_max_hertz", (clock,), top * 1e6)
+
+        reasons = r.get(nvml.nvmlDeviceGetCurrentClocksEventReasons, h)
+        if reasons is not None:
+            for reason, bit in CLOCKS_EVENT_REASONS.items():
+                r.add("gpufleet_gpu_throttle_active", (reason,), 1 if reasons & bit else 0)
+
+        generation = r.get(nvml.nvmlDeviceGetCurrPcieLinkGeneration, h)
+        if generation is not None:
+            r.add("gpufleet_gpu_pcie_link_generation", (), generation)
+        width = r.get(nvml.nvmlDeviceGetCurrPcieLinkWidth, h)
+        if width is not None:
+            r.add("gpufleet_gpu_pcie_link_width", (), width)
+        replays = r.get(nvml.nvmlDeviceGetPcieReplayCounter, h)
+        if replays is not None:
+            r.add("gpufleet_gpu_pcie_replay_errors", (), replays)
+
+        self._read_memory_health(r)
+
+        mode = r.get(nvml.nvmlDeviceGetComputeMode, h)
+        if mode is not None:
+            for name, value in COMPUTE_MODES.items():
+                r.add("gpufleet_gpu_compute_mode", (name,), 1 if mode == value else 0)
+
+    def _read_memory(self, r: _DeviceRead) -> None:
+        nvml, h, device = self._nvml, r.device.handle, r.device
+        if device.memory_v2 is not False:
+            # v2 (driver 510+) splits the driver's reservation out of `used`.
+            mem = r.get(nvml.nvmlDeviceGetMemoryInfo, h, pynvml.nvmlMemory_v2)
+            if mem is not None:
+                device.memory_v2 = True
+                r.add("gpufleet_gpu_memory_used_bytes", ("vram",), mem.used)
+                reserved: object = getattr(mem, "reserved", None)
+                if isinstance(reserved, int):
+                    r.add("gpufleet_gpu_memory_used_bytes", ("reserved",), reserved)
+                r.add("gpufleet_gpu_memory_total_bytes", ("vram",), mem.total)
+                return
+        mem = r.get(nvml.nvmlDeviceGetMemoryInfo, h)
+        if mem is not None:
+            device.memory_v2 = False
+            # v1's `used` is "the sum of reserved and allocated" (nvml.h nvmlMemory_t): no split.
+            r.add("gpufleet_gpu_memory_used_bytes", ("vram",), mem.used)
+            r.add("gpufleet_gpu_memory_total_bytes", ("vram",), mem.total)
+
+    def _read_power(self, r: _DeviceRead) -> None:
+        nvml, h, device = self._nvml, r.device.handle, r.device
+        # NVML reports power in milliwatts and energy in millijoules.
+        power = r.get(nvml.nvmlDeviceGetPowerUsage, h)
+        if power is not None:
+            r.add("gpufleet_gpu_power_watts", (), power / 1000)
+        limits: list[tuple[str, int | None]] = [
+            ("current", r.get(nvml.nvmlDeviceGetEnforcedPowerLimit, h)),
+            ("default", r.static("default", nvml.nvmlDeviceGetPowerManagementDefaultLimit, h)),
+        ]
+        if "power_min" not in device.static:
+            constraints = r.get(nvml.nvmlDeviceGetPowerManagementLimitConstraints, h)
+            if constraints is not None and len(constraints) == 2:
+                device.static["power_min"], device.static["power_max"] = constraints
+        limits += [("min", device.static.get("power_min")), ("max", device.static.get("power_max"))]
+        for kind, milliwatts in limits:
+            if milliwatts is not None:
+                r.add("gpufleet_gpu_power_limit_watts", (kind,), milliwatts / 1000)
+        energy = r.get(nvml.nvmlDeviceGetTotalEnergyConsumption, h)
+        if energy is not None:
+            r.add("gpufleet_gpu_energy_joules", (), energy / 1000)
+
+    def _read_memory_health(self, r: _DeviceRead) -> None:
+        nvml, h = self._nvml, r.device.handle
+        for kind, error_type in _ECC_KINDS:
+            # Aggregate: the lifetime count, which survives driver reloads (volatile does not).
+            aggregate = pynvml.NVML_AGGREGATE_ECC
+            count = r.get(nvml.nvmlDeviceGetTotalEccErrors, h, error_type, aggregate)
+            if count is not None:
+                r.add("gpufleet_gpu_ecc_errors", (kind,), count)
+        # Page retirement is pre-Ampere; Ampere and newer remap rows instead and answer
+        # NOT_SUPPORTED here (and the other way round on older boards).
+        for cause, source in _RETIREMENT_CAUSES:
+            pages = r.get(nvml.nvmlDeviceGetRetiredPages, h, source)
+            if pages is not None:
+                r.add("gpufleet_gpu_retired_pages", (cause,), len(pages))
+        pending = r.get(nvml.nvmlDeviceGetRetiredPagesPendingStatus, h)
+        if pending is not None:
+            r.add("gpufleet_gpu_retired_pages_pending", (), 1 if pending else 0)
+        rows = r.get(nvml.nvmlDeviceGetRemappedRows, h)
+        if rows is not None:
+            correctable, uncorrectable, rows_pending, rows_failed = rows
+            r.add("gpufleet_gpu_remapped_rows", ("correctable",), correctable)
+            r.add("gpufleet_gpu_remapped_rows", ("uncorrectable",), uncorrectable)
+            r.add("gpufleet_gpu_remapped_rows_pending", (), 1 if rows_pending else 0)
+            r.add("gpufleet_gpu_remapped_rows_failed", (), 1 if rows_failed else 0)

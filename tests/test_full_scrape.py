@@ -1,0 +1,164 @@
+"""The whole exporter over fixtures: README's metric list, the text writer, a mixed-vendor host.
+
+The scrape here is the real registry (`build_registry`) over a sysfs fixture tree with an AMD
+iGPU and a discrete AMD card beside two NVIDIA GPUs from the fake NVML backend (the stand-in
+for a GPU), with the roster's expectations and thermal limits.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.metrics_core import Metric
+
+from exporter.exposition import TextWriter
+from exporter.registry import ExporterSettings, FleetCollector, build_registry
+from exporter.roster import Host
+from tests.golden import assert_golden
+from tests.sysfs_tree import (
+    apu_spec,
+    discrete_spec,
+    nvme_spec,
+    write_amd_card,
+    write_hwmon_chip,
+    write_k10temp,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+TWO_GPUS = REPO / "tests" / "fixtures" / "nvml" / "two_gpus.yaml"
+
+HOST = {
+    "address": "127.0.0.1",
+    "gpus": {"nvidia": {"count": 2, "compute_mode": "exclusive_process"}, "amd": {"count": 2}},
+    "thermal": {"k10temp/Tctl": {"critical_celsius": 95}},
+}
+
+# Series whose values move on their own (psutil's view of this machine, timings, versions).
+VOLATILE = re.compile(
+    r"^gpufleet_(host_(cpu|load|memory|swap)\w*|exporter_collector_duration_seconds"
+    r"|exporter_build_info)[{ ]"
+)
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Iterator[tuple[CollectorRegistry, FleetCollector]]:
+    sysfs = tmp_path / "sys"
+    # NVIDIA at 0x41 and 0xc1 (the scenario), a discrete AMD card at 0x03, the iGPU at 0xc5.
+    write_amd_card(sysfs, replace(discrete_spec(0, "0000:03:00.0"), energy=1_234_000_000))
+    write_amd_card(sysfs, apu_spec(1, "0000:c5:00.0"))
+    write_k10temp(sysfs)
+    write_hwmon_chip(sysfs, nvme_spec(0, "0000:01:00.0"))
+    host = Host.model_validate(HOST)
+    settings = ExporterSettings(host=host, sysfs=str(sysfs), nvml_fake_scenario=TWO_GPUS)
+    registry, collector = build_registry(settings)
+    yield registry, collector
+    collector.close()
+
+
+def scrape_when_xids_arrived(registry: CollectorRegistry) -> str:
+    # Xid events reach the collector through NVML's event thread: wait for them (bounded).
+    deadline = time.monotonic() + 10
+    text = ""
+    while time.monotonic() < deadline:
+        text = TextWriter().render_registry(registry).decode()
+        if 'gpufleet_gpu_xid_errors_total{gpu="2",xid="31"}' in text:
+            return text
+        time.sleep(0.05)
+    raise AssertionError("the scenario's Xid events never showed:\n" + text)
+
+
+def readme_metric_names() -> set[str]:
+    text = (REPO / "README.md").read_text()
+    table = text.split("<!-- metrics:begin -->", 1)[1].split("<!-- metrics:end -->", 1)[0]
+    names = set(re.findall(r"^\| `(gpufleet_\w+)`", table, flags=re.MULTILINE))
+    assert len(names) > 30, "README's metric table went missing"
+    return names
+
+
+def test_readme_lists_exactly_the_series_the_exporter_produces(
+    fleet: tuple[CollectorRegistry, FleetCollector],
+) -> None:
+    registry, _ = fleet
+    text = scrape_when_xids_arrived(registry)
+    produced = {
+        line.split("{", 1)[0].split(" ", 1)[0]
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
+    documented = readme_metric_names()
+    assert produced - documented == set(), "produced but not in README.md"
+    assert documented - produced == set(), "in README.md but not produced by this scrape"
+
+
+def test_mixed_vendor_host_golden_and_indices(
+    fleet: tuple[CollectorRegistry, FleetCollector],
+) -> None:
+    registry, _ = fleet
+    text = scrape_when_xids_arrived(registry)
+    stable = "".join(line + "\n" for line in text.splitlines() if not VOLATILE.match(line))
+    assert_golden(stable, "exporter_amd_igpu_beside_nvidia")
+    # `gpu` in PCI bus order across vendors: AMD 0x03, NVIDIA 0x41 and 0xc1, AMD iGPU 0xc5.
+    info = {
+        m.group(2): m.group(1)
+        for m in re.finditer(r'gpufleet_gpu_info\{[^}]*gpu="(\d)",[^}]*pci_bus_id="([^"]+)"', text)
+    }
+    assert info == {
+        "0000:03:00.0": "0",
+        "0000:41:00.0": "1",
+        "0000:c1:00.0": "2",
+        "0000:c5:00.0": "3",
+    }
+    for collector in ("nvidia", "amd", "hwmon", "host"):
+        assert f'gpufleet_exporter_collector_success{{collector="{collector}"}} 1.0' in text
+    assert 'gpufleet_host_temperature_critical_celsius{chip="k10temp",sensor="Tctl"} 95.0' in text
+    promtool = shutil.which("promtool")
+    assert promtool is not None, "promtool is missing: `make test` installs it"
+    check = subprocess.run(
+        [promtool, "check", "metrics"], input=text, capture_output=True, text=True, check=False
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_text_writer_matches_prometheus_client_byte_for_byte(
+    fleet: tuple[CollectorRegistry, FleetCollector],
+) -> None:
+    _, collector = fleet
+    families = list(collector.collect())
+    ours = TextWriter().render(families).decode()
+
+    class Replay:
+        def collect(self) -> list[Metric]:
+            return families
+
+    reference = CollectorRegistry(auto_describe=False)
+    reference.register(Replay())
+    assert ours == generate_latest(reference).decode()
+    assert len(ours.splitlines()) > 200
+
+
+def test_text_writer_escapes_and_falls_back() -> None:
+    odd = GaugeMetricFamily("x_info", "help with \\ and\nnewline", labels=["v"])
+    odd.add_metric(['a"b\\c\nd'], 1.0)
+    inf = GaugeMetricFamily("x_inf", "infinite", labels=[])
+    inf.add_metric([], float("inf"))
+    writer = TextWriter()
+    text = writer.render([odd, inf]).decode()
+    assert text == (
+        "# HELP x_info help with \\\\ and\\nnewline\n# TYPE x_info gauge\n"
+        'x_info{v="a\\"b\\\\c\\nd"} 1.0\n'
+        "# HELP x_inf infinite\n# TYPE x_inf gauge\nx_inf +Inf\n"
+    )
+    assert writer.render([odd, inf]).decode() == text  # from remembered heads
+    histogram = HistogramMetricFamily(
+        "x_seconds", "h", buckets=[("1.0", 1), ("+Inf", 2)], sum_value=3
+    )
+    assert b'x_seconds_bucket{le="1.0"} 1.0' in writer.render([histogram])

@@ -1,0 +1,172 @@
+"""The hwmon collector (host temperatures) and the hwmon source against fixture trees."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry
+
+from exporter.collectors.base import SourceCollector
+from exporter.collectors.hwmon import HwmonCollector
+from exporter.sources.hwmon import chip_labels, list_chips, read_chip
+from tests.golden import assert_golden, exposition
+from tests.sysfs_tree import (
+    ACPITZ,
+    apu_spec,
+    discrete_spec,
+    nvme_spec,
+    set_value,
+    write_amd_card,
+    write_hwmon_chip,
+    write_k10temp,
+)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 50.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def registry_of(
+    root: Path, thermal: Mapping[str, float] | None = None, clock: FakeClock | None = None
+) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(HwmonCollector(str(root), thermal=thermal or {}, clock=clock or FakeClock()))
+    return registry
+
+
+def temp(registry: CollectorRegistry, chip: str, sensor: str) -> float | None:
+    return registry.get_sample_value(
+        "gpufleet_host_temperature_celsius", {"chip": chip, "sensor": sensor}
+    )
+
+
+def crit(registry: CollectorRegistry, chip: str, sensor: str) -> float | None:
+    return registry.get_sample_value(
+        "gpufleet_host_temperature_critical_celsius", {"chip": chip, "sensor": sensor}
+    )
+
+
+def write_host(root: Path) -> None:
+    """A GPU host: k10temp, two NVMe drives, an ACPI zone and a discrete amdgpu card."""
+    write_k10temp(root)
+    # The drive on the higher PCI address is probed first and gets the lower hwmon number.
+    write_hwmon_chip(root, nvme_spec(1, "0000:02:00.0", composite=44_850))
+    write_hwmon_chip(root, nvme_spec(0, "0000:01:00.0", composite=38_850))
+    write_hwmon_chip(root, ACPITZ)
+    write_amd_card(root, discrete_spec(card=0))
+
+
+def test_host_golden(tmp_path: Path) -> None:
+    write_host(tmp_path)
+    collector = HwmonCollector(str(tmp_path))
+    assert isinstance(collector, SourceCollector)
+    assert collector.name == "hwmon"
+    assert_golden(exposition(collector), "hwmon_host")
+
+
+def test_apu_host_golden(tmp_path: Path) -> None:
+    # An APU has no GPU crit temperature: Tctl's default critical value is what guards it.
+    write_amd_card(tmp_path, apu_spec())
+    write_k10temp(tmp_path)
+    assert_golden(exposition(HwmonCollector(str(tmp_path))), "hwmon_apu")
+    assert crit(registry_of(tmp_path, thermal={"k10temp/Tctl": 100.0}), "k10temp", "Tctl") == 100
+
+
+def test_namesakes_are_numbered_by_device_path_not_hwmon_number(tmp_path: Path) -> None:
+    write_host(tmp_path)
+    registry = registry_of(tmp_path)
+    assert temp(registry, "nvme", "Composite") == 38.85  # 0000:01:00.0, hwmon2
+    assert temp(registry, "nvme_1", "Composite") == 44.85  # 0000:02:00.0, hwmon1
+    assert temp(registry, "nvme_2", "Composite") is None
+    assert temp(registry, "amdgpu", "edge") is None  # the amd collector's
+
+
+def test_k10temp_critical_default_and_roster_override(tmp_path: Path) -> None:
+    write_host(tmp_path)
+    registry = registry_of(tmp_path)
+    assert crit(registry, "k10temp", "Tctl") == 90
+    assert crit(registry, "k10temp", "Tccd1") is None  # no file, no roster, no default
+    roster = {"k10temp/Tctl": 95.0, "nvme/Composite": 70.0, "nvme_1/Sensor 1": 80.0}
+    registry = registry_of(tmp_path, thermal=roster)
+    assert crit(registry, "k10temp", "Tctl") == 95
+    assert crit(registry, "nvme", "Composite") == 84.85  # the hardware's own value wins
+    assert crit(registry, "nvme_1", "Sensor 1") == 80
+    assert crit(registry, "nvme", "Sensor 1") is None
+    assert crit(registry, "acpitz", "temp1") == 105
+
+
+def test_roster_by_chip_name_covers_namesakes(tmp_path: Path) -> None:
+    write_host(tmp_path)
+    registry = registry_of(tmp_path, thermal={"nvme/Sensor 1": 75.0})
+    assert crit(registry, "nvme", "Sensor 1") == 75
+    assert crit(registry, "nvme_1", "Sensor 1") == 75
+
+
+def test_changed_and_bad_values(tmp_path: Path) -> None:
+    write_host(tmp_path)
+    k10temp = tmp_path / "devices/pci0000:00/0000:00:18.3/hwmon/hwmon0"
+    registry = registry_of(tmp_path)
+    assert temp(registry, "k10temp", "Tctl") == 65.25
+    set_value(k10temp / "temp1_input", 88_125)
+    assert temp(registry, "k10temp", "Tctl") == 88.125
+    set_value(k10temp / "temp1_input", "garbage")
+    assert temp(registry, "k10temp", "Tctl") is None
+    assert crit(registry, "k10temp", "Tctl") == 90  # the limit stays
+    assert temp(registry, "k10temp", "Tccd1") == 58
+    (k10temp / "temp2_input").write_text("")
+    assert temp(registry, "k10temp", "Tccd1") is None
+    assert temp(registry, "nvme", "Composite") == 38.85
+
+
+def test_missing_input_keeps_the_chip_crit(tmp_path: Path) -> None:
+    nvme = write_hwmon_chip(tmp_path, nvme_spec(0, "0000:01:00.0"))
+    (nvme / "temp1_input").unlink()
+    registry = registry_of(tmp_path)
+    assert temp(registry, "nvme", "Composite") is None
+    assert crit(registry, "nvme", "Composite") == 84.85
+    assert temp(registry, "nvme", "Sensor 1") == 43.85
+
+
+def test_new_chips_found_after_the_rediscover_interval(tmp_path: Path) -> None:
+    write_k10temp(tmp_path)
+    clock = FakeClock()
+    registry = registry_of(tmp_path, clock=clock)
+    write_hwmon_chip(tmp_path, nvme_spec(0, "0000:01:00.0"))
+    clock.now += 30
+    assert temp(registry, "nvme", "Composite") is None
+    clock.now += 30
+    assert temp(registry, "nvme", "Composite") == 41.85
+    assert temp(registry, "k10temp", "Tctl") == 65.25
+
+
+def test_no_hwmon_at_all(tmp_path: Path) -> None:
+    assert list(HwmonCollector(str(tmp_path)).collect()) == []
+
+
+def test_source_chip_listing(tmp_path: Path) -> None:
+    write_host(tmp_path)
+    chips = list_chips(str(tmp_path), exclude_names={"amdgpu"})
+    # In device-path order: pci0000:00/0000:00:01.2/… (the drives) before 0000:00:18.3.
+    assert [label for label, _ in chip_labels(chips)] == ["nvme", "nvme_1", "k10temp", "acpitz"]
+    k10temp = chips[2]
+    assert [(t.number, t.sensor) for t in k10temp.temps] == [(1, "Tctl"), (2, "Tccd1")]
+    assert k10temp.device_path == str(tmp_path.resolve() / "devices/pci0000:00/0000:00:18.3")
+    everything = list_chips(str(tmp_path))
+    assert [c.name for c in everything].count("amdgpu") == 1
+
+
+def test_source_chip_name_fallbacks(tmp_path: Path) -> None:
+    chip_dir = write_k10temp(tmp_path)
+    # Drivers on the deprecated hwmon_device_register() keep the name in device/name.
+    (chip_dir / "name").rename(chip_dir / "device" / "name")
+    chip = read_chip(str(chip_dir))
+    assert chip is not None
+    assert chip.name == "k10temp"
+    (chip_dir / "device" / "name").unlink()
+    assert read_chip(str(chip_dir)) is None  # nameless: no stable `chip` label
+    assert read_chip(str(tmp_path / "absent")) is None

@@ -13,8 +13,7 @@ def main(argv: list[str] | None = None) -> int:
     """Say that the remediator is not built yet and exit non-zero."""
     del argv
     print(
-        "gpu-fleet-remediator: not built yet — the remediator is planned work; "
-        "nothing was started",
+        "gpu-fleet-remediator: not built yet — the remediator is planned work; nothing was started",
         file=sys.stderr,
     )
     return 2

@@ -126,19 +126,22 @@ def test_two_gpus_values(make: Make) -> None:
     registry, error = scrape(collector)
     assert error is None
     value = registry.get_sample_value
-    assert value(
-        "gpufleet_gpu_info",
-        {
-            "gpu": "1",
-            "uuid": "GPU-7a0e9c55-1b2d-4f3a-8c6e-5d4b3a291807",
-            "pci_bus_id": "0000:c1:00.0",  # NVML's 00000000:C1:00.0, in sysfs form
-            "vendor": "nvidia",
-            "model": "NVIDIA H200",
-            "pci_id": "10de:2335",
-            "card": "",
-            "vbios": "96.00.AF.00.01",
-        },
-    ) == 1
+    assert (
+        value(
+            "gpufleet_gpu_info",
+            {
+                "gpu": "1",
+                "uuid": "GPU-7a0e9c55-1b2d-4f3a-8c6e-5d4b3a291807",
+                "pci_bus_id": "0000:c1:00.0",  # NVML's 00000000:C1:00.0, in sysfs form
+                "vendor": "nvidia",
+                "model": "NVIDIA H200",
+                "pci_id": "10de:2335",
+                "card": "",
+                "vbios": "96.00.AF.00.01",
+            },
+        )
+        == 1
+    )
     assert value("gpufleet_gpu_up", {"gpu": "0"}) == 1
     assert value("gpufleet_gpus_expected", {"vendor": "nvidia"}) == 2
     assert value("gpufleet_gpus_lost", {"vendor": "nvidia"}) == 0
@@ -348,8 +351,18 @@ def test_reinit_keeps_gpu_index_by_pci_bus_id(make: Make, tmp_path: Path) -> Non
         "vbios": "",  # not in the scenario: not supported
     }
     assert value("gpufleet_gpu_info", info_41) == 1
-    assert value("gpufleet_gpu_info", {**info_41, "gpu": "0", "pci_bus_id": "0000:0a:00.0",
-                                       "uuid": "GPU-cccccccc-0000-0000-0000-00000000000a"}) == 1
+    assert (
+        value(
+            "gpufleet_gpu_info",
+            {
+                **info_41,
+                "gpu": "0",
+                "pci_bus_id": "0000:0a:00.0",
+                "uuid": "GPU-cccccccc-0000-0000-0000-00000000000a",
+            },
+        )
+        == 1
+    )
 
 
 def test_compute_mode_drift_is_visible(make: Make) -> None:

@@ -105,7 +105,8 @@ _SPECS: dict[str, _Spec] = {
         False, "Share of the last sample period in which device memory was accessed.", ()
     ),
     "gpufleet_gpu_memory_used_bytes": _Spec(
-        False, "GPU memory in use, by pool (NVIDIA: vram allocated, reserved by the driver).",
+        False,
+        "GPU memory in use, by pool (NVIDIA: vram allocated, reserved by the driver).",
         ("pool",),
     ),
     "gpufleet_gpu_memory_total_bytes": _Spec(False, "GPU memory size, by pool.", ("pool",)),
@@ -348,9 +349,7 @@ class NvidiaCollector:
         finished = job.done.wait(self._timeout)
         if not finished:
             job.cancelled.set()  # the worker stops this job when the stuck call returns
-            message = (
-                f"NVML call {self._describe_call()} did not return within {self._timeout:g} s"
-            )
+            message = f"NVML call {self._describe_call()} did not return within {self._timeout:g} s"
         yield from self._families(job.readings())
         if not finished:
             raise CollectorError(message)

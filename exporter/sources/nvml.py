@@ -223,9 +223,7 @@ class NvmlBackend(Protocol):
         """GPU and memory utilisation, percent."""
         ...
 
-    def nvmlDeviceGetMemoryInfo(
-        self, handle: object, version: int | None = None
-    ) -> MemoryInfo:
+    def nvmlDeviceGetMemoryInfo(self, handle: object, version: int | None = None) -> MemoryInfo:
         """Memory in bytes; `version=pynvml.nvmlMemory_v2` adds `reserved`."""
         ...
 
@@ -233,9 +231,7 @@ class NvmlBackend(Protocol):
         """Temperature of `NVML_TEMPERATURE_GPU`, °C."""
         ...
 
-    def nvmlDeviceGetTemperatureThreshold(
-        self, handle: object, threshold: int
-    ) -> int:
+    def nvmlDeviceGetTemperatureThreshold(self, handle: object, threshold: int) -> int:
         """`NVML_TEMPERATURE_THRESHOLD_*`, °C."""
         ...
 
@@ -257,9 +253,7 @@ class NvmlBackend(Protocol):
         """The default limit, mW."""
         ...
 
-    def nvmlDeviceGetPowerManagementLimitConstraints(
-        self, handle: object
-    ) -> Sequence[int]:
+    def nvmlDeviceGetPowerManagementLimitConstraints(self, handle: object) -> Sequence[int]:
         """`[min, max]` settable limit, mW."""
         ...
 

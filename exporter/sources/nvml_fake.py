@@ -498,8 +498,10 @@ class FakeNvml:
             values[i].scopeId = scope_id
             values[i].timestamp = now_us
             temp = gpu.memory_temperature_celsius
-            if field_id == pynvml.NVML_FI_DEV_MEMORY_TEMP and temp is not None and (
-                "memory_temperature_celsius" not in gpu.not_supported
+            if (
+                field_id == pynvml.NVML_FI_DEV_MEMORY_TEMP
+                and temp is not None
+                and ("memory_temperature_celsius" not in gpu.not_supported)
             ):
                 values[i].valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
                 values[i].value.uiVal = temp

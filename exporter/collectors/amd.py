@@ -21,13 +21,13 @@ Check by hand: `cat /sys/class/drm/card0/device/gpu_busy_percent`,
 from __future__ import annotations
 
 import os
-import threading
 import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
+from exporter.collectors.base import Rediscovery
 from exporter.gpu_index import GpuIndex
 from exporter.sources.amdgpu import AmdCard, discover_cards
 
@@ -55,15 +55,12 @@ class AmdCollector:
         self._use_udev = os.path.realpath(sysfs) == "/sys" if use_udev is None else use_udev
         self._gpu_index = gpu_index
         self._expected_count = expected_count
-        self._rediscover_seconds = rediscover_seconds
-        self._clock = clock
-        self._lock = threading.Lock()
         # By PCI slot, in slot order (= gpu index order); replaced wholesale, never mutated,
         # so a concurrent scrape iterates a consistent snapshot.
         self._cards: tuple[AmdCard, ...] = ()
         self._gpu_labels: dict[str, str] = {}
         self._discover()
-        self._next_discovery = clock() + rediscover_seconds
+        self._rediscovery = Rediscovery(self._discover, rediscover_seconds, clock)
 
     def _discover(self) -> None:
         """Add cards not seen before; re-open a known card whose sysfs location changed.
@@ -99,11 +96,7 @@ class AmdCollector:
 
     def collect(self) -> Iterator[Metric]:
         """Yield fresh families for every known card (see the module docstring)."""
-        if self._clock() >= self._next_discovery:
-            with self._lock:
-                if self._clock() >= self._next_discovery:
-                    self._discover()
-                    self._next_discovery = self._clock() + self._rediscover_seconds
+        self._rediscovery.run_if_due()
         cards = self._cards
 
         info = GaugeMetricFamily("gpufleet_gpu_info", "GPU identity.", labels=INFO_LABELS)

@@ -9,7 +9,8 @@ keeps the families already yielded and marks the collector unsuccessful.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import threading
+from collections.abc import Callable, Iterable
 from typing import Protocol, runtime_checkable
 
 from prometheus_client.metrics_core import Metric
@@ -41,3 +42,29 @@ class GpuCollector(SourceCollector, Protocol):
     def pci_bus_ids(self) -> list[str]:
         """PCI bus ids (sysfs form, `0000:41:00.0`) of the GPUs this collector found at start."""
         ...
+
+
+class Rediscovery:
+    """Runs a collector's discovery again at most once per interval, from any scrape thread.
+
+    Cards and hwmon chips rarely come and go, so a scrape normally reads only known paths; a
+    listing every `seconds` catches a card that appeared after start (or a chip that went).
+    """
+
+    def __init__(
+        self, discover: Callable[[], None], seconds: float, clock: Callable[[], float]
+    ) -> None:
+        self._discover = discover
+        self._seconds = seconds
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._next = clock() + seconds
+
+    def run_if_due(self) -> None:
+        """Discover again if the interval has passed since the last time."""
+        if self._clock() < self._next:
+            return
+        with self._lock:
+            if self._clock() >= self._next:  # another scrape may have just done it
+                self._discover()
+                self._next = self._clock() + self._seconds

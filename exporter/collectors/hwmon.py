@@ -20,7 +20,6 @@ Check by hand: `sensors` (lm-sensors prints the same chips, e.g. `k10temp-pci-00
 from __future__ import annotations
 
 import os
-import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from types import MappingProxyType
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
+from exporter.collectors.base import Rediscovery
 from exporter.sources.hwmon import chip_labels, list_chips
 from exporter.sources.sysfs import StaticValue, read_int
 
@@ -68,13 +68,10 @@ class HwmonCollector:
     ) -> None:
         self._sysfs = sysfs
         self._thermal = dict(thermal)
-        self._rediscover_seconds = rediscover_seconds
-        self._clock = clock
-        self._lock = threading.Lock()
         self._entries: frozenset[str] = frozenset()
         self._sensors: tuple[_Sensor, ...] = ()
         self._discover()
-        self._next_discovery = clock() + rediscover_seconds
+        self._rediscovery = Rediscovery(self._discover, rediscover_seconds, clock)
 
     def _list_entries(self) -> frozenset[str]:
         try:
@@ -101,11 +98,7 @@ class HwmonCollector:
 
     def collect(self) -> Iterator[Metric]:
         """Yield the temperature and critical-temperature families."""
-        if self._clock() >= self._next_discovery:
-            with self._lock:
-                if self._clock() >= self._next_discovery:
-                    self._discover()
-                    self._next_discovery = self._clock() + self._rediscover_seconds
+        self._rediscovery.run_if_due()
         temp = GaugeMetricFamily(
             "gpufleet_host_temperature_celsius", "Host temperature.", labels=["chip", "sensor"]
         )

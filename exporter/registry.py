@@ -9,6 +9,7 @@ format allows a family's HELP and TYPE only once.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 import time
@@ -19,12 +20,15 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import Metric
 
+from exporter.canary import CanaryCollector
 from exporter.collectors.amd import AmdCollector
 from exporter.collectors.base import CollectorError, GpuCollector, SourceCollector
 from exporter.collectors.host import HostCollector
 from exporter.collectors.hwmon import HwmonCollector
+from exporter.collectors.llama import LlamaCollector
 from exporter.collectors.nvidia import NvidiaCollector
 from exporter.collectors.selfstats import CollectorOutcome, self_metrics
+from exporter.collectors.vllm import VllmCollector
 from exporter.gpu_index import GpuIndex
 from exporter.roster import Host
 from exporter.sources.nvml import load_backend
@@ -57,22 +61,43 @@ class FleetCollector:
         # and two scrapers at once must not double the load on a struggling GPU.
         self._lock = threading.Lock()
         self._last_error: dict[str, str] = {}
+        remote = [c for c in self.collectors if getattr(c, "reads_network", False)]
+        self._pool = (
+            concurrent.futures.ThreadPoolExecutor(len(remote), thread_name_prefix="collect")
+            if remote
+            else None
+        )
 
     def collect(self) -> Iterator[Metric]:
         """One scrape: every collector's families, merged by name, then the self metrics."""
         with self._lock:
-            merged: dict[str, Metric] = {}
-            outcomes = [self._run(c, merged) for c in self.collectors]
+            # Collectors that wait on the network (model servers) run beside the local ones,
+            # so a slow server costs its own timeout once, not on top of NVML's deadline.
+            remote = {
+                c.name: self._pool.submit(self._run, c)
+                for c in self.collectors
+                if self._pool is not None and getattr(c, "reads_network", False)
+            }
+            results = [
+                remote[c.name].result() if c.name in remote else self._run(c)
+                for c in self.collectors
+            ]
+        merged: dict[str, Metric] = {}
+        outcomes = []
+        for families, outcome in results:
+            for family in families:
+                _merge(merged, family)
+            outcomes.append(outcome)
         yield from merged.values()
         yield from self_metrics(outcomes)
 
-    def _run(self, collector: SourceCollector, merged: dict[str, Metric]) -> CollectorOutcome:
+    def _run(self, collector: SourceCollector) -> tuple[list[Metric], CollectorOutcome]:
         start = self._clock()
+        families: list[Metric] = []
         success = True
         error = ""
         try:
-            for family in collector.collect():
-                _merge(merged, family)
+            families.extend(collector.collect())
         except CollectorError as exc:
             success, error = False, str(exc)
         except Exception as exc:
@@ -80,7 +105,7 @@ class FleetCollector:
             log.exception("collector %s crashed", collector.name)
         duration = self._clock() - start
         self._log_change(collector.name, error)
-        return CollectorOutcome(collector.name, success, duration)
+        return families, CollectorOutcome(collector.name, success, duration)
 
     def _log_change(self, name: str, error: str) -> None:
         # Log a collector's error when it appears or changes, and its recovery, not every
@@ -99,6 +124,8 @@ class FleetCollector:
                 collector.close()
             except Exception:
                 log.exception("closing collector %s failed", collector.name)
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _merge(merged: dict[str, Metric], family: Metric) -> None:
@@ -107,9 +134,9 @@ def _merge(merged: dict[str, Metric], family: Metric) -> None:
         merged[family.name] = family
         return
     if existing.type != family.type:
-        raise CollectorError(
-            f"family {family.name} emitted as {family.type} and as {existing.type}"
-        )
+        # A bug between two collectors; keep the first and say so rather than break the text.
+        log.error("family %s emitted as %s and as %s", family.name, existing.type, family.type)
+        return
     existing.samples.extend(family.samples)
 
 
@@ -137,7 +164,20 @@ def build_collectors(settings: ExporterSettings) -> list[SourceCollector]:
     gpu_collectors: list[GpuCollector] = [nvidia, amd]
     # All vendors' GPUs at once, so indices follow PCI bus order across vendors.
     gpu_index.register(bus_id for c in gpu_collectors for bus_id in c.pci_bus_ids())
-    return [nvidia, amd, HwmonCollector(settings.sysfs, thermal=thermal), HostCollector()]
+    collectors: list[SourceCollector] = [
+        nvidia,
+        amd,
+        HwmonCollector(settings.sysfs, thermal=thermal),
+        HostCollector(),
+    ]
+    servers = host.servers if host is not None else {}
+    if any(s.engine == "llama" for s in servers.values()):
+        collectors.append(LlamaCollector(servers))
+    if any(s.engine == "vllm" for s in servers.values()):
+        collectors.append(VllmCollector(servers))
+    if any(s.canary is not None for s in servers.values()):
+        collectors.append(CanaryCollector(servers))
+    return collectors
 
 
 def build_registry(settings: ExporterSettings) -> tuple[CollectorRegistry, FleetCollector]:

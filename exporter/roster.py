@@ -101,6 +101,14 @@ class ThermalLimit(_Strict):
     critical_celsius: float = Field(gt=0, le=150)
 
 
+class Canary(_Strict):
+    """The canary throughput probe of one llama-server (off unless the server has this key)."""
+
+    interval_seconds: float = Field(default=300.0, ge=10, le=86400)
+    max_tokens: int = Field(default=64, ge=1, le=4096)
+    timeout_seconds: float = Field(default=60.0, gt=0, le=600)
+
+
 class Server(_Strict):
     """A model server: a llama-server or vLLM process under a systemd unit."""
 
@@ -112,6 +120,14 @@ class Server(_Strict):
     gpu: int | None = Field(default=None, ge=0)
     api_key_file: Path | None = None
     timeout_seconds: float = Field(default=2.0, gt=0, le=60)
+    canary: Canary | None = None
+
+    @model_validator(mode="after")
+    def _canary_needs_llama(self) -> Server:
+        # The probe reads llama-server's `timings`; vLLM's answers have none.
+        if self.canary is not None and self.engine != "llama":
+            raise ValueError("canary: the throughput probe works with engine llama only")
+        return self
 
     @field_validator("url")
     @classmethod

@@ -1,0 +1,500 @@
+"""vLLM model servers: `/health` and `/metrics` of every roster server with engine `vllm`.
+
+Sample output (`tests/golden/vllm_v1.prom`: one vLLM with two data-parallel engines)::
+
+    gpufleet_vllm_info{model="Qwen3-32B-AWQ",role="gpu-dense",served_model="Qwen/Qwen3-32B-AWQ",
+                       server="gamma"} 1.0
+    gpufleet_vllm_up{server="gamma"} 1.0
+    gpufleet_vllm_endpoint{endpoint="metrics",server="gamma",state="ok"} 1.0
+    gpufleet_vllm_endpoint{endpoint="metrics",server="gamma",state="busy"} 0.0
+    gpufleet_vllm_requests_running{server="gamma"} 5.0
+    gpufleet_vllm_kv_cache_usage_ratio{server="gamma"} 0.016934579439252362
+    gpufleet_vllm_prompt_tokens_total{server="gamma"} 3.454905e+06
+    gpufleet_vllm_time_to_first_token_seconds_bucket{le="0.25",server="gamma"} 1690.0
+
+Check a server by hand: `curl -s -o /dev/null -w '%{http_code}' http://HOST:PORT/health`
+(200 = up) and `curl -s http://HOST:PORT/metrics | grep ^vllm:` (add
+`-H "Authorization: Bearer $(cat KEYFILE)"` when the roster gives the server an `api_key_file`).
+
+How it reads:
+
+- Every server, and both endpoints of each, are read at once on the collector's own thread
+  pool, each call with the server's `timeout_seconds`. The scrape waits for them until one
+  deadline: the largest timeout plus a small margin. A call still running then (a server that
+  trickles its answer never trips a socket timeout) counts as a timeout, and while it keeps
+  running no new call to that endpoint is queued behind it.
+- `gpufleet_vllm_up` is `/health` alone (200 = up; vLLM answers 503 once its engine died).
+  A server that is down, refuses or times out is what `up 0` reports, not a collector failure.
+- `/metrics` is parsed with prometheus_client's own parser and looked up by sample name, so the
+  `_created` gauges, python/process/http series and any other family are simply ignored.
+  vLLM labels its series `model_name` and `engine`; neither is exported: values are summed
+  over vLLM's engines (data parallelism gives one label set per engine), except the KV-cache
+  ratio, which is their mean (each engine has its own cache of the same size; vLLM's own log
+  line averages it the same way), and the TTFT histogram, summed per `le`.
+- vLLM's `--api-key` guards only `/v1/*`, so `/metrics` normally needs no key; the bearer key
+  is sent when the roster names a key file (a proxy in front of vLLM may ask for it). A key
+  file that cannot be read is a problem of this host: the endpoint shows `error`, the log
+  names the file, and the collector raises `CollectorError` after yielding the rest.
+- A `/metrics` that answers 200 without any `vllm:` series is `disabled`: that is vLLM started
+  with `--disable-log-stats`, which registers no stat logger.
+- The KV-cache ratio comes from `vllm:kv_cache_usage_perc` (a 0-1 fraction despite its name),
+  else from its name before vLLM 0.9, `vllm:gpu_cache_usage_perc`. A series vLLM does not
+  export is left out, never reported as 0.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
+
+from exporter.collectors.base import CollectorError
+from exporter.roster import Server
+from exporter.sources.http_client import Answer, Outcome, call, read_secret
+
+log = logging.getLogger(__name__)
+
+ENGINE = "vllm"
+ENDPOINT_STATES = ("ok", "busy", "disabled", "error")
+# Past the calls' own timeout, so that a call which times out reports TIMEOUT itself (with its
+# detail) before the deadline cuts it off as "still running".
+DEFAULT_MARGIN_SECONDS = 0.5
+
+# vLLM's sample names (the text format's, with the counters' `_total`), from
+# vllm/v1/metrics/loggers.py PrometheusStatLogger.
+_RUNNING = "vllm:num_requests_running"
+_WAITING = "vllm:num_requests_waiting"
+_KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")  # current, before 0.9
+_PROMPT_TOKENS = "vllm:prompt_tokens_total"
+_GENERATION_TOKENS = "vllm:generation_tokens_total"
+_PREEMPTIONS = "vllm:num_preemptions_total"
+_TTFT = "vllm:time_to_first_token_seconds"
+
+_Samples = dict[str, list[Sample]]
+
+
+@dataclass(frozen=True)
+class _MetricsRead:
+    """What one `/metrics` call gave: an endpoint state and, when `ok`, vLLM's samples."""
+
+    state: str
+    samples: _Samples = field(default_factory=dict)
+    detail: str = ""
+    # Set when the server's API key file could not be used: a fault of this host, not the server.
+    key_problem: str = ""
+
+
+@dataclass
+class _Memory:
+    """What the collector keeps of one server between scrapes (strings, never metric objects)."""
+
+    # The model name vLLM reported last; kept while the server is down so that the info series
+    # does not change its labels on every restart.
+    served_model: str = ""
+    status: str = ""  # the last logged summary, to log changes instead of every scrape
+    key_problem: str = ""
+
+
+@dataclass
+class _Families:
+    """This scrape's families, fresh every time."""
+
+    info: GaugeMetricFamily = field(
+        default_factory=lambda: GaugeMetricFamily(
+            "gpufleet_vllm_info",
+            "vLLM server identity; the value is 1. role and model from the roster, "
+            "served_model is vLLM's model_name.",
+            labels=["server", "role", "model", "served_model"],
+        )
+    )
+    up: GaugeMetricFamily = field(
+        default_factory=lambda: GaugeMetricFamily(
+            "gpufleet_vllm_up", "1 when vLLM's /health answered 200.", labels=["server"]
+        )
+    )
+    endpoint: GaugeMetricFamily = field(
+        default_factory=lambda: GaugeMetricFamily(
+            "gpufleet_vllm_endpoint",
+            "1 for the state of a vLLM endpoint's read: ok, busy (timed out), "
+            "disabled (404/501, or no vllm: series), error (refused, bad answer, unparsable).",
+            labels=["server", "endpoint", "state"],
+        )
+    )
+    running: GaugeMetricFamily = field(
+        default_factory=lambda: GaugeMetricFamily(
+            "gpufleet_vllm_requests_running",
+            "Requests in vLLM's execution batches (vllm:num_requests_running, all engines).",
+            labels=["server"],
+        )
+    )
+    waiting: GaugeMetricFamily = field(
+        default_factory=lambda: GaugeMetricFamily(
+            "gpufleet_vllm_requests_waiting",
+            "Requests waiting in vLLM's queue (vllm:num_requests_waiting, all engines).",
+            labels=["server"],
+        )
+    )
+    kv_cache: GaugeMetricFamily = field(
+        default_factory=lambda: GaugeMetricFamily(
+            "gpufleet_vllm_kv_cache_usage_ratio",
+            "Share of vLLM's KV-cache blocks in use, 0-1 (vllm:kv_cache_usage_perc, "
+            "mean over engines).",
+            labels=["server"],
+        )
+    )
+    prompt_tokens: CounterMetricFamily = field(
+        default_factory=lambda: CounterMetricFamily(
+            "gpufleet_vllm_prompt_tokens",
+            "Prefill tokens processed by vLLM (vllm:prompt_tokens_total, all engines).",
+            labels=["server"],
+        )
+    )
+    generation_tokens: CounterMetricFamily = field(
+        default_factory=lambda: CounterMetricFamily(
+            "gpufleet_vllm_generation_tokens",
+            "Tokens generated by vLLM (vllm:generation_tokens_total, all engines).",
+            labels=["server"],
+        )
+    )
+    preemptions: CounterMetricFamily = field(
+        default_factory=lambda: CounterMetricFamily(
+            "gpufleet_vllm_preemptions",
+            "Requests preempted by vLLM's scheduler (vllm:num_preemptions_total, all engines).",
+            labels=["server"],
+        )
+    )
+    ttft: HistogramMetricFamily = field(
+        default_factory=lambda: HistogramMetricFamily(
+            "gpufleet_vllm_time_to_first_token_seconds",
+            "Time to first token (vllm:time_to_first_token_seconds, all engines).",
+            labels=["server"],
+        )
+    )
+
+    def nonempty(self) -> list[Metric]:
+        """The families that have samples, in exposition order."""
+        families: list[Metric] = [
+            self.info,
+            self.up,
+            self.endpoint,
+            self.running,
+            self.waiting,
+            self.kv_cache,
+            self.prompt_tokens,
+            self.generation_tokens,
+            self.preemptions,
+            self.ttft,
+        ]
+        return [family for family in families if family.samples]
+
+
+class VllmCollector:
+    """Reads the vLLM servers of the roster concurrently, under one deadline per scrape."""
+
+    name = "vllm"
+    reads_network = True  # the fleet collector runs it beside the local collectors
+
+    def __init__(
+        self,
+        servers: Mapping[str, Server],
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        margin_seconds: float = DEFAULT_MARGIN_SECONDS,
+    ) -> None:
+        # The roster's servers of other engines (llama) belong to other collectors.
+        self._servers = {
+            name: server for name, server in sorted(servers.items()) if server.engine == ENGINE
+        }
+        self._clock = clock
+        self._budget = (
+            max((s.timeout_seconds for s in self._servers.values()), default=0.0) + margin_seconds
+        )
+        # Two workers per server: with at most one call in flight per endpoint (see _submit),
+        # a call never waits for a free worker, so its timeout is the only wait it has.
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=max(1, 2 * len(self._servers)), thread_name_prefix="vllm-read"
+        )
+        self._inflight: dict[tuple[str, str], concurrent.futures.Future[object]] = {}
+        self._memory = {name: _Memory() for name in self._servers}
+        # One scrape at a time: the in-flight calls and the memory are per collector.
+        self._lock = threading.Lock()
+
+    @property
+    def budget_seconds(self) -> float:
+        """The longest a scrape waits for the servers: the largest timeout plus the margin."""
+        return self._budget
+
+    def collect(self) -> Iterator[Metric]:
+        """One scrape of every server; `CollectorError` after the families on a host-side fault."""
+        with self._lock:
+            families, failures = self._scrape()
+        yield from families
+        if failures:
+            raise CollectorError("; ".join(failures))
+
+    def close(self) -> None:
+        """Stop the worker threads; a call still stuck in a socket ends with its own timeout."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _scrape(self) -> tuple[list[Metric], list[str]]:
+        deadline = self._clock() + self._budget
+        health: dict[str, concurrent.futures.Future[object] | None] = {}
+        metrics: dict[str, concurrent.futures.Future[object] | None] = {}
+        for name, server in self._servers.items():
+            health[name] = self._submit(name, "health", _read_health, server)
+            metrics[name] = self._submit(name, "metrics", _read_metrics, server)
+        submitted = [f for f in (*health.values(), *metrics.values()) if f is not None]
+        concurrent.futures.wait(submitted, timeout=max(0.0, deadline - self._clock()))
+
+        families = _Families()
+        failures: list[str] = []
+        for name, server in self._servers.items():
+            self._export(
+                name,
+                server,
+                health_future=health[name],
+                metrics_future=metrics[name],
+                f=families,
+                failures=failures,
+            )
+        return families.nonempty(), failures
+
+    def _submit(
+        self,
+        name: str,
+        endpoint: str,
+        read: Callable[[Server], object],
+        server: Server,
+    ) -> concurrent.futures.Future[object] | None:
+        """Start a read, or None while the previous read of that endpoint is still running."""
+        key = (name, endpoint)
+        previous = self._inflight.get(key)
+        if previous is not None and not previous.done():
+            # Queueing behind a stuck call would only add threads to a server that is not
+            # answering; this scrape counts the endpoint as timed out instead.
+            return None
+        future = self._pool.submit(read, server)
+        self._inflight[key] = future
+        return future
+
+    def _export(
+        self,
+        name: str,
+        server: Server,
+        *,
+        health_future: concurrent.futures.Future[object] | None,
+        metrics_future: concurrent.futures.Future[object] | None,
+        f: _Families,
+        failures: list[str],
+    ) -> None:
+        memory = self._memory[name]
+        health = _outcome(health_future, name, "/health", failures)
+        if isinstance(health, Answer):
+            up: bool | None = health.ok
+            health_detail = "" if health.ok else _describe(health)
+        elif health is None:
+            up, health_detail = False, "still running at the scrape's deadline"
+        else:  # the read crashed (reported in failures): whether the server is up is unknown
+            up, health_detail = None, "read crashed"
+
+        read = _outcome(metrics_future, name, "/metrics", failures)
+        if read is None:
+            read = _MetricsRead("busy", detail="still running at the scrape's deadline")
+        elif not isinstance(read, _MetricsRead):
+            read = _MetricsRead("error", detail="read crashed")
+        self._note_key_problem(name, server, read.key_problem, memory, failures)
+
+        served = _served_model(read.samples)
+        if served:
+            memory.served_model = served
+        f.info.add_metric([name, server.role, server.model, memory.served_model], 1.0)
+        if up is None:
+            return
+        f.up.add_metric([name], 1.0 if up else 0.0)
+        self._log_status(name, memory, f"down ({health_detail})" if not up else read.state, read)
+        if not up:
+            # The endpoint states describe a running server; a down one has only `up 0`.
+            return
+        for state in ENDPOINT_STATES:
+            f.endpoint.add_metric([name, "metrics", state], 1.0 if read.state == state else 0.0)
+        _export_samples(name, read.samples, f)
+
+    def _note_key_problem(
+        self, name: str, server: Server, problem: str, memory: _Memory, failures: list[str]
+    ) -> None:
+        if problem:
+            failures.append(f"server {name}: {problem}")
+            if problem != memory.key_problem:
+                log.warning("vllm server %s: %s", name, problem)
+        elif memory.key_problem:
+            log.info("vllm server %s: API key file %s readable again", name, server.api_key_file)
+        memory.key_problem = problem
+
+    @staticmethod
+    def _log_status(name: str, memory: _Memory, status: str, read: _MetricsRead) -> None:
+        # Log changes, not every scrape: a server down for a day would write a line per scrape.
+        if status == memory.status:
+            return
+        if status == "ok":
+            log.info("vllm server %s: up, /metrics ok", name)
+        elif status.startswith("down"):
+            log.warning("vllm server %s: %s", name, status)
+        else:
+            log.warning("vllm server %s: up, /metrics %s (%s)", name, status, read.detail)
+        memory.status = status
+
+
+def _read_health(server: Server) -> Answer:
+    # vLLM answers /health without a key (its --api-key guards /v1/* only).
+    return call(f"{server.url}/health", timeout=server.timeout_seconds)
+
+
+def _read_metrics(server: Server) -> _MetricsRead:
+    headers: dict[str, str] = {}
+    if server.api_key_file is not None:
+        key, problem = _api_key(server.api_key_file)
+        if problem:
+            # Calling without the key would only earn a 401 and hide the real cause.
+            return _MetricsRead("error", detail=problem, key_problem=problem)
+        headers["Authorization"] = f"Bearer {key}"
+    answer = call(f"{server.url}/metrics", timeout=server.timeout_seconds, headers=headers)
+    if answer.outcome is Outcome.TIMEOUT:
+        return _MetricsRead("busy", detail=answer.detail)
+    if answer.outcome is not Outcome.ANSWERED:
+        return _MetricsRead("error", detail=_describe(answer))
+    if answer.status in (404, 501):
+        return _MetricsRead("disabled", detail=f"HTTP {answer.status}")
+    if answer.status != 200:
+        return _MetricsRead("error", detail=f"HTTP {answer.status}")
+    try:
+        samples = _vllm_samples(answer.body.decode("utf-8"))
+    except ValueError as exc:  # UnicodeDecodeError is one too
+        return _MetricsRead("error", detail=f"unparsable: {exc}")
+    if not samples:
+        # vLLM registers its stat logger only without --disable-log-stats; what is left
+        # (python_*, process_*, http_*) says nothing about the engine.
+        return _MetricsRead("disabled", detail="no vllm: series (--disable-log-stats?)")
+    return _MetricsRead("ok", samples)
+
+
+def _api_key(path: Path) -> tuple[str, str]:
+    """The key in the file, or "" and what is wrong with the file (naming it)."""
+    try:
+        key = read_secret(path) or ""
+    except OSError as exc:
+        return "", f"cannot read API key file {path}: {exc.strerror or exc}"
+    if not key:
+        return "", f"API key file {path} is empty"
+    if "\n" in key or "\r" in key:
+        # A second line would end up inside the HTTP header.
+        return "", f"API key file {path} has more than one line"
+    return key, ""
+
+
+def _vllm_samples(text: str) -> _Samples:
+    """The `vllm:` samples by sample name; `ValueError` when the text is not the text format."""
+    samples: _Samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.startswith("vllm:"):
+                samples.setdefault(sample.name, []).append(sample)
+    return samples
+
+
+def _outcome(
+    future: concurrent.futures.Future[object] | None,
+    name: str,
+    path: str,
+    failures: list[str],
+) -> object | None:
+    """The read's result; None while it still runs; the exception when it crashed (a bug)."""
+    if future is None or not future.done():
+        return None
+    error = future.exception(timeout=0)
+    if error is None:
+        return future.result(timeout=0)
+    log.error("vllm server %s: reading %s crashed", name, path, exc_info=error)
+    failures.append(f"server {name}: reading {path} crashed: {type(error).__name__}: {error}")
+    return error
+
+
+def _describe(answer: Answer) -> str:
+    if answer.outcome is Outcome.ANSWERED:
+        return f"HTTP {answer.status}"
+    return f"{answer.outcome.value}: {answer.detail}" if answer.detail else answer.outcome.value
+
+
+def _served_model(samples: _Samples) -> str:
+    for name in (_RUNNING, *sorted(samples)):
+        for sample in samples.get(name, ()):
+            model = sample.labels.get("model_name")
+            if model:
+                return model
+    return ""
+
+
+def _total(samples: _Samples, name: str) -> float | None:
+    values = [s.value for s in samples.get(name, ())]
+    return math.fsum(values) if values else None
+
+
+def _mean(samples: _Samples, name: str) -> float | None:
+    values = [s.value for s in samples.get(name, ())]
+    return math.fsum(values) / len(values) if values else None
+
+
+def _histogram(samples: _Samples, base: str) -> tuple[list[tuple[str, float]], float] | None:
+    """Buckets summed per `le` over vLLM's label sets, and the summed `_sum`; None if absent."""
+    counts: dict[float, float] = {}
+    texts: dict[float, str] = {}
+    for sample in samples.get(f"{base}_bucket", ()):
+        le = sample.labels.get("le")
+        if le is None:
+            continue
+        try:
+            bound = float(le)
+        except ValueError:
+            continue
+        # Keyed by value, so `1` and `1.0` are one bucket; vLLM's own spelling is kept.
+        texts.setdefault(bound, le)
+        counts[bound] = counts.get(bound, 0.0) + sample.value
+    total = _total(samples, f"{base}_sum")
+    # Without +Inf there is no count, and without _sum no mean: not a histogram to pass on.
+    if math.inf not in counts or total is None:
+        return None
+    return [(texts[b], counts[b]) for b in sorted(counts)], total
+
+
+def _export_samples(name: str, samples: _Samples, f: _Families) -> None:
+    for family, value in (
+        (f.running, _total(samples, _RUNNING)),
+        (f.waiting, _total(samples, _WAITING)),
+        (f.kv_cache, _kv_usage(samples)),
+        (f.prompt_tokens, _total(samples, _PROMPT_TOKENS)),
+        (f.generation_tokens, _total(samples, _GENERATION_TOKENS)),
+        (f.preemptions, _total(samples, _PREEMPTIONS)),
+    ):
+        if value is not None:
+            family.add_metric([name], value)
+    ttft = _histogram(samples, _TTFT)
+    if ttft is not None:
+        buckets, total = ttft
+        f.ttft.add_metric([name], buckets, total)
+
+
+def _kv_usage(samples: _Samples) -> float | None:
+    for sample_name in _KV_USAGE:
+        value = _mean(samples, sample_name)
+        if value is not None:
+            return value
+    return None

@@ -53,10 +53,12 @@ typecheck: venv
 unit: venv
 	$(BIN)/pytest
 
-## make test: ruff, mypy, pytest, and the benchmark once with a small count so it cannot rot
+## make test: ruff, mypy, pytest, and the benchmarks once with small counts so they cannot rot
 test: deps venv lint typecheck unit
 	$(BIN)/python bench/exporter_amd.py --scrapes 20
+	$(BIN)/python bench/exporter_servers.py --scrapes 2
 
-## make bench: the AMD exporter benchmark against node_exporter
+## make bench: the benchmarks: AMD sysfs against node_exporter; six servers, one hung
 bench: deps venv
 	$(BIN)/python bench/exporter_amd.py --scrapes $(SCRAPES)
+	$(BIN)/python bench/exporter_servers.py --scrapes 10

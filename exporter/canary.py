@@ -200,15 +200,16 @@ class CanaryCollector:
 
     name = "canary"
 
-    def __init__(self, servers: Mapping[str, Server], *, start: bool = True) -> None:
+    def __init__(
+        self, servers: Mapping[str, Server], *, first_delay_seconds: float | None = None
+    ) -> None:
         self.probes = [
-            CanaryProbe(name, server, server.canary)
+            CanaryProbe(name, server, server.canary, first_delay_seconds=first_delay_seconds)
             for name, server in servers.items()
             if server.canary is not None
         ]
-        if start:
-            for probe in self.probes:
-                probe.start()
+        for probe in self.probes:
+            probe.start()
 
     def collect(self) -> Iterator[Metric]:
         """The last result of every probe (nothing for a server not yet probed)."""

@@ -20,10 +20,12 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.metrics_core import Metric
 
+from exporter.canary import CanaryCollector
 from exporter.exposition import TextWriter
 from exporter.registry import ExporterSettings, FleetCollector, build_registry
 from exporter.roster import Host
 from tests.golden import assert_golden
+from tests.llama_lab import StartLlamaServer, wait_until
 from tests.sysfs_tree import (
     apu_spec,
     discrete_spec,
@@ -32,6 +34,7 @@ from tests.sysfs_tree import (
     write_hwmon_chip,
     write_k10temp,
 )
+from tests.vllm_stand_in import VllmStandIn
 
 REPO = Path(__file__).resolve().parent.parent
 TWO_GPUS = REPO / "tests" / "fixtures" / "nvml" / "two_gpus.yaml"
@@ -76,6 +79,15 @@ def scrape_when_xids_arrived(registry: CollectorRegistry) -> str:
     raise AssertionError("the scenario's Xid events never showed:\n" + text)
 
 
+def promtool_check(text: str) -> None:
+    promtool = shutil.which("promtool")
+    assert promtool is not None, "promtool is missing: `make test` installs it"
+    check = subprocess.run(
+        [promtool, "check", "metrics"], input=text, capture_output=True, text=True, check=False
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
 def readme_metric_names() -> set[str]:
     text = (REPO / "README.md").read_text()
     table = text.split("<!-- metrics:begin -->", 1)[1].split("<!-- metrics:end -->", 1)[0]
@@ -85,18 +97,65 @@ def readme_metric_names() -> set[str]:
 
 
 def test_readme_lists_exactly_the_series_the_exporter_produces(
-    fleet: tuple[CollectorRegistry, FleetCollector],
+    tmp_path: Path, llama_server: StartLlamaServer
 ) -> None:
-    registry, _ = fleet
-    text = scrape_when_xids_arrived(registry)
+    # Everything at once: GPUs of both vendors, host chips, a real llama-server generating on
+    # one of its two slots (with its canary), and a vLLM stand-in (vLLM cannot run here).
+    sysfs = tmp_path / "sys"
+    write_amd_card(sysfs, replace(discrete_spec(0, "0000:03:00.0"), energy=1_234_000_000))
+    write_k10temp(sysfs)
+    llama = llama_server("-c", "65536", "-np", "2", "-t", "1", "-a", "tiny", "--metrics")
+    llama.generate(n_predict=30000)
+    with VllmStandIn(REPO / "tests" / "fixtures" / "vllm" / "metrics-v1.txt") as vllm:
+        host = Host.model_validate(
+            {
+                **HOST,
+                "servers": {
+                    "alpha": {
+                        "engine": "llama",
+                        "url": llama.url,
+                        "unit": "llama-server@alpha.service",
+                        "role": "gpu-dense",
+                        "model": "tiny",
+                        "canary": {"interval_seconds": 3600, "max_tokens": 8},
+                    },
+                    "zeta": {
+                        "engine": "vllm",
+                        "url": vllm.url,
+                        "unit": "vllm@zeta.service",
+                        "role": "gpu-vision",
+                        "model": "Qwen3-VL-8B",
+                    },
+                },
+            }
+        )
+        settings = ExporterSettings(host=host, sysfs=str(sysfs), nvml_fake_scenario=TWO_GPUS)
+        registry, fleet = build_registry(settings)
+        try:
+            # The canary's first run would wait for its schedule: run it now.
+            canaries = [c for c in fleet.collectors if isinstance(c, CanaryCollector)]
+            assert [p.run_once() for c in canaries for p in c.probes] == ["ok"]
+            wait_until(
+                lambda: (
+                    b"gpufleet_llama_slot_decoded_tokens" in TextWriter().render_registry(registry)
+                ),
+                timeout=20,
+                what="a busy slot",
+            )
+            text = scrape_when_xids_arrived(registry)
+        finally:
+            fleet.close()
     produced = {
         line.split("{", 1)[0].split(" ", 1)[0]
         for line in text.splitlines()
         if line and not line.startswith("#")
     }
+    # A histogram's samples are listed under the family's name.
+    produced = {re.sub(r"_(bucket|sum|count)$", "", n) if "_seconds_" in n else n for n in produced}
     documented = readme_metric_names()
     assert produced - documented == set(), "produced but not in README.md"
     assert documented - produced == set(), "in README.md but not produced by this scrape"
+    promtool_check(text)
 
 
 def test_mixed_vendor_host_golden_and_indices(
@@ -120,12 +179,7 @@ def test_mixed_vendor_host_golden_and_indices(
     for collector in ("nvidia", "amd", "hwmon", "host"):
         assert f'gpufleet_exporter_collector_success{{collector="{collector}"}} 1.0' in text
     assert 'gpufleet_host_temperature_critical_celsius{chip="k10temp",sensor="Tctl"} 95.0' in text
-    promtool = shutil.which("promtool")
-    assert promtool is not None, "promtool is missing: `make test` installs it"
-    check = subprocess.run(
-        [promtool, "check", "metrics"], input=text, capture_output=True, text=True, check=False
-    )
-    assert check.returncode == 0, check.stdout + check.stderr
+    promtool_check(text)
 
 
 def test_text_writer_matches_prometheus_client_byte_for_byte(

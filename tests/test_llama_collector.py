@@ -1,8 +1,9 @@
 """The llama-server collector and the canary against real llama-server processes.
 
 Every server here is the pinned llama.cpp build serving the tiny random-weight model that
-`tests/llama_lab.py` writes (see tests/conftest.py). No stand-in: idle, generating, saturated,
-loading, killed, frozen, API key, `--metrics` missing, `--no-slots`.
+`tests/llama_lab.py` writes (see tests/conftest.py): idle, generating, saturated, loading,
+killed, frozen, API key, `--metrics` missing, `--no-slots`, the canary. One case alone, an
+inference loop too busy to answer `/metrics`, uses a local stand-in (see that test for why).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from exporter.collectors.base import CollectorError
 from exporter.collectors.llama import LlamaCollector
 from exporter.roster import Canary, Server
 from tests.llama_lab import StartLlamaServer, wait_until
+from tests.vllm_stand_in import VllmStandIn
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 Made = list[LlamaCollector | CanaryCollector]
@@ -323,3 +325,22 @@ def test_canary_collector_runs_in_the_background(
     assert (s.get("gpufleet_canary_tokens_per_second", server="alpha", phase="generation") or 0) > 0
     assert s.get("gpufleet_canary_last_run_timestamp_seconds", server="alpha") is not None
     assert s.get("gpufleet_canary_runs_total", server="alpha", outcome="ok") == 1
+
+
+def test_a_busy_inference_loop_is_busy_not_down(collectors: Made) -> None:
+    # llama-server answers /health from its HTTP threads but /metrics and /slots through the
+    # inference loop, which a long prompt batch can hold for seconds (DESIGN.md). Here even a
+    # 6000-token prompt on the 300 MB lab model left /metrics answering between batches, so
+    # this one case uses the local stand-in server (tests/vllm_stand_in.py), which answers
+    # /health and hangs /metrics the way that held loop does.
+    fixture = Path(__file__).parent / "fixtures" / "llama" / "metrics-busy.txt"
+    with VllmStandIn(fixture) as stand_in:
+        stand_in.hang("/metrics")
+        collector = make(collectors, alpha=entry(stand_in.url, timeout_seconds=0.5))
+        s = scrape(collector)
+        stand_in.release()
+    assert s.error is None
+    assert s.get("gpufleet_llama_up", server="alpha") == 1
+    assert s.health("alpha") == "ok"
+    assert s.endpoint("alpha", "metrics") == "busy"
+    assert s.get("gpufleet_llama_requests_processing", server="alpha") is None

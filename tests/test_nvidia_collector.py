@@ -12,14 +12,13 @@ from typing import Any
 import pynvml
 import pytest
 import yaml
-from prometheus_client import CollectorRegistry
-from prometheus_client.metrics_core import Metric
 
-from exporter.collectors.base import CollectorError, GpuCollector
+from exporter.collectors.base import GpuCollector
 from exporter.collectors.nvidia import NvidiaCollector
 from exporter.gpu_index import GpuIndex
 from exporter.sources.nvml_fake import FakeNvml
 from tests.golden import assert_golden, exposition
+from tests.scraping import scrape
 
 FIXTURES = Path(__file__).parent / "fixtures" / "nvml"
 
@@ -32,30 +31,6 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now
-
-
-class Families:
-    """Already-collected families, so a registry can answer `get_sample_value`."""
-
-    def __init__(self, families: list[Metric]) -> None:
-        self.families = families
-
-    def collect(self) -> Iterator[Metric]:
-        return iter(self.families)
-
-
-def scrape(collector: NvidiaCollector) -> tuple[CollectorRegistry, CollectorError | None]:
-    """One scrape as the supervisor does it: keep what was yielded before a CollectorError."""
-    families: list[Metric] = []
-    error = None
-    try:
-        for family in collector.collect():
-            families.append(family)
-    except CollectorError as err:
-        error = err
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(Families(families))
-    return registry, error
 
 
 def copy_fixture(name: str, tmp_path: Path) -> Path:

@@ -16,12 +16,12 @@ from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.metrics_core import Metric
 
-from exporter.collectors.base import CollectorError, SourceCollector
+from exporter.collectors.base import SourceCollector
 from exporter.collectors.vllm import DEFAULT_MARGIN_SECONDS, VllmCollector
 from exporter.roster import Server
 from tests.golden import assert_golden, exposition
+from tests.scraping import scrape
 from tests.vllm_stand_in import VllmStandIn
 
 FIXTURES = Path(__file__).parent / "fixtures" / "vllm"
@@ -58,30 +58,6 @@ def roster_server(
         api_key_file=key_file,
         timeout_seconds=timeout,
     )
-
-
-class Families:
-    """Already-collected families, so a registry can answer `get_sample_value`."""
-
-    def __init__(self, families: list[Metric]) -> None:
-        self.families = families
-
-    def collect(self) -> Iterator[Metric]:
-        return iter(self.families)
-
-
-def scrape(collector: VllmCollector) -> tuple[CollectorRegistry, CollectorError | None]:
-    """One scrape as the supervisor does it: keep what was yielded before a CollectorError."""
-    families: list[Metric] = []
-    error = None
-    try:
-        for family in collector.collect():
-            families.append(family)
-    except CollectorError as err:
-        error = err
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(Families(families))
-    return registry, error
 
 
 def value(registry: CollectorRegistry, name: str, server: str = "gamma", **labels: str) -> Any:

@@ -1,0 +1,254 @@
+"""systemd units, read with one `systemctl show` call for all of them.
+
+`systemctl` is run as found on `PATH` (not D-Bus, not an absolute path), so that operators and
+tests can interpose their own. Its `show` output is `Key=Value` lines, one block per unit in
+the order asked, blocks separated by an empty line (systemctl(1), "show").
+
+Manual check: `systemctl show --property=Id,ActiveState,SubState,MainPID,NRestarts \
+llama-server@alpha.service`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+SYSTEMCTL = "systemctl"
+PROPERTIES = (
+    "Id",
+    "LoadState",
+    "ActiveState",
+    "SubState",
+    "MainPID",
+    "NRestarts",
+    "StateChangeTimestampMonotonic",
+    "ControlGroup",
+    "ExecStart",
+)
+
+
+class SystemdError(Exception):
+    """`systemctl` could not be run or its answer could not be read."""
+
+
+@dataclass(frozen=True)
+class UnitStatus:
+    """One unit as `systemctl show` describes it; None where systemd says nothing."""
+
+    unit: str
+    load_state: str
+    active_state: str
+    sub_state: str
+    main_pid: int | None  # None when the unit has no main process (MainPID=0)
+    n_restarts: int | None
+    state_change_monotonic_seconds: float | None  # CLOCK_MONOTONIC, as systemd records it
+    control_group: str | None  # e.g. /system.slice/llama-server@alpha.service
+    exec_start_path: str | None  # the executable of the first ExecStart= line
+
+    @property
+    def active(self) -> bool:
+        """True while the unit is active (running, or exited for oneshot units)."""
+        return self.active_state == "active"
+
+
+def _int(value: str) -> int | None:
+    try:
+        return int(value)
+    except ValueError:
+        return None
+
+
+def _exec_path(value: str) -> str | None:
+    # ExecStart={ path=/usr/bin/llama-server ; argv[]=/usr/bin/llama-server -m … ; … }
+    marker = "path="
+    start = value.find(marker)
+    if start < 0:
+        return None
+    end = value.find(" ;", start)
+    path = value[start + len(marker) : end if end >= 0 else None].strip()
+    return path or None
+
+
+def parse_show(text: str, units: Sequence[str]) -> dict[str, UnitStatus]:
+    """Parse `systemctl show` output for `units` (asked in that order)."""
+    blocks: list[dict[str, str]] = []
+    current: dict[str, str] = {}
+    for line in text.splitlines():
+        if not line.strip():
+            if current:
+                blocks.append(current)
+                current = {}
+            continue
+        key, sep, value = line.partition("=")
+        if sep:
+            current.setdefault(key, value)  # the first ExecStart= line, if there are several
+    if current:
+        blocks.append(current)
+    if len(blocks) != len(units):
+        raise SystemdError(f"systemctl show gave {len(blocks)} blocks for {len(units)} units")
+    result = {}
+    for unit, block in zip(units, blocks, strict=True):
+        pid = _int(block.get("MainPID", ""))
+        mono = _int(block.get("StateChangeTimestampMonotonic", ""))
+        result[unit] = UnitStatus(
+            unit=unit,
+            load_state=block.get("LoadState", ""),
+            active_state=block.get("ActiveState", ""),
+            sub_state=block.get("SubState", ""),
+            main_pid=pid if pid else None,
+            n_restarts=_int(block.get("NRestarts", "")),
+            state_change_monotonic_seconds=mono / 1e6 if mono else None,
+            control_group=block.get("ControlGroup") or None,
+            exec_start_path=_exec_path(block.get("ExecStart", "")),
+        )
+    return result
+
+
+def show_units(
+    units: Sequence[str], *, systemctl: str = SYSTEMCTL, timeout: float = 5.0
+) -> dict[str, UnitStatus]:
+    """Every unit's status from one `systemctl show` call; raises `SystemdError`."""
+    if not units:
+        return {}
+    command = [systemctl, "show", "--no-pager", f"--property={','.join(PROPERTIES)}", *units]
+    try:
+        done = subprocess.run(
+            command, capture_output=True, text=True, timeout=timeout, check=False
+        )
+    except FileNotFoundError:
+        raise SystemdError(f"{systemctl} not found on PATH") from None
+    except subprocess.TimeoutExpired:
+        raise SystemdError(f"{systemctl} show did not answer within {timeout:g} s") from None
+    except OSError as exc:
+        raise SystemdError(f"cannot run {systemctl}: {exc}") from None
+    if done.returncode != 0:
+        raise SystemdError(f"{systemctl} show exited {done.returncode}: {done.stderr.strip()}")
+    return parse_show(done.stdout, units)
+
+
+class UnitsReader:
+    """The roster units' statuses, shared by the collectors of one scrape.
+
+    The units, processes and ports collectors all need the same statuses in the same scrape;
+    keeping an answer for `max_age_seconds` makes that one `systemctl show` call, not three.
+    """
+
+    def __init__(
+        self,
+        units: Sequence[str],
+        *,
+        systemctl: str = SYSTEMCTL,
+        max_age_seconds: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.units = list(dict.fromkeys(units))
+        self._systemctl = systemctl
+        self._max_age = max_age_seconds
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._at: float | None = None
+        self._result: dict[str, UnitStatus] | SystemdError = {}
+
+    def statuses(self) -> dict[str, UnitStatus]:
+        """The statuses (fresh, or at most `max_age_seconds` old); raises `SystemdError`."""
+        with self._lock:
+            now = self._clock()
+            if self._at is None or now - self._at > self._max_age:
+                try:
+                    self._result = show_units(self.units, systemctl=self._systemctl)
+                except SystemdError as exc:
+                    self._result = exc
+                self._at = now
+            result = self._result
+        if isinstance(result, SystemdError):
+            raise result
+        return result
+
+
+def monotonic_to_unix(monotonic_seconds: float) -> float:
+    """A CLOCK_MONOTONIC time (as systemd records state changes) as Unix time."""
+    return time.time() - (time.monotonic() - monotonic_seconds)
+
+
+def unit_pids(status: UnitStatus, *, sysfs: str = "/sys", procfs: str = "/proc") -> set[int]:
+    """The unit's processes: its main process and every process of its control group.
+
+    From the unit's cgroup (`cgroup.procs`, v2 then v1's systemd hierarchy) when readable;
+    else the main process and its descendants, through `/proc/PID/task/TID/children` (a
+    kernel with CONFIG_PROC_CHILDREN, as Debian's and Ubuntu's are); else the main process.
+    """
+    if status.control_group:
+        relative = status.control_group.lstrip("/")
+        for hierarchy in ("fs/cgroup", "fs/cgroup/systemd"):
+            path = os.path.join(sysfs, hierarchy, relative, "cgroup.procs")
+            try:
+                with open(path, encoding="ascii") as procs:
+                    pids = {int(line) for line in procs if line.strip()}
+            except (OSError, ValueError):
+                continue
+            if pids:
+                return pids
+    if status.main_pid is None:
+        return set()
+    return descendants(status.main_pid, procfs=procfs)
+
+
+def descendants(pid: int, *, procfs: str = "/proc") -> set[int]:
+    """`pid` and all its descendants.
+
+    Through `/proc/PID/task/TID/children` where the kernel has it (CONFIG_PROC_CHILDREN);
+    otherwise from every process's parent in `/proc/PID/stat` (one pass over /proc).
+    """
+    children_file = os.path.join(procfs, str(pid), "task", str(pid), "children")
+    if not os.path.exists(children_file):
+        return _descendants_by_parent(pid, procfs)
+    found = {pid}
+    todo = [pid]
+    while todo:
+        current = todo.pop()
+        task_dir = os.path.join(procfs, str(current), "task")
+        try:
+            tids = os.listdir(task_dir)
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(os.path.join(task_dir, tid, "children"), encoding="ascii") as f:
+                    children = [int(c) for c in f.read().split()]
+            except (OSError, ValueError):
+                continue
+            for child in children:
+                if child not in found:
+                    found.add(child)
+                    todo.append(child)
+    return found
+
+
+def _descendants_by_parent(pid: int, procfs: str) -> set[int]:
+    by_parent: dict[int, list[int]] = {}
+    for entry in os.listdir(procfs):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(os.path.join(procfs, entry, "stat"), "rb") as f:
+                stat = f.read()
+            # The command name may hold spaces and parentheses: fields follow the last ')'.
+            ppid = int(stat[stat.rindex(b")") + 2 :].split()[1])
+        except (OSError, ValueError):
+            continue
+        by_parent.setdefault(ppid, []).append(int(entry))
+    found = {pid}
+    todo = [pid]
+    while todo:
+        for child in by_parent.get(todo.pop(), ()):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found

@@ -28,10 +28,12 @@ from exporter.collectors.hwmon import HwmonCollector
 from exporter.collectors.llama import LlamaCollector
 from exporter.collectors.nvidia import NvidiaCollector
 from exporter.collectors.selfstats import CollectorOutcome, self_metrics
+from exporter.collectors.server_memory import ServerMemoryCollector
 from exporter.collectors.vllm import VllmCollector
 from exporter.gpu_index import GpuIndex
 from exporter.roster import Host
 from exporter.sources.nvml import load_backend
+from exporter.sources.systemd import UnitsReader
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +44,7 @@ class ExporterSettings:
 
     host: Host | None = None  # this host's roster entry; None when there is no roster
     sysfs: str = "/sys"
+    procfs: str = "/proc"
     nvml_fake_scenario: Path | None = None  # a stand-in for a GPU, for tests and demos
     collector_timeout_seconds: float = 4.0
 
@@ -171,6 +174,20 @@ def build_collectors(settings: ExporterSettings) -> list[SourceCollector]:
         HostCollector(),
     ]
     servers = host.servers if host is not None else {}
+    if servers:
+        # One `systemctl show` per scrape for every collector that needs the units.
+        units = UnitsReader([s.unit for s in servers.values()])
+        collectors.append(
+            ServerMemoryCollector(
+                servers,
+                units,
+                nvidia=nvidia,
+                amd_bus_ids=amd.pci_bus_ids,
+                gpu_index=gpu_index,
+                procfs=settings.procfs,
+                sysfs=settings.sysfs,
+            )
+        )
     if any(s.engine == "llama" for s in servers.values()):
         collectors.append(LlamaCollector(servers))
     if any(s.engine == "vllm" for s in servers.values()):

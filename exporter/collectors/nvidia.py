@@ -182,6 +182,7 @@ class _Reading:
 
     up: bool
     samples: dict[str, list[tuple[tuple[str, ...], float]]] = field(default_factory=dict)
+    processes: dict[int, int] = field(default_factory=dict)  # pid -> GPU memory bytes
 
 
 class _Job:
@@ -213,6 +214,7 @@ class _DeviceRead:
         self.answers = 0
         self.errors = 0
         self.samples: dict[str, list[tuple[tuple[str, ...], float]]] = {}
+        self.processes: dict[int, int] = {}
 
     def add(self, family: str, labels: tuple[str, ...], value: float) -> None:
         self.samples.setdefault(family, []).append((labels, float(value)))
@@ -300,6 +302,7 @@ class NvidiaCollector:
         self._clock = clock
         # Guards what collect() reads while the worker writes: devices, Xid counts, busy job.
         self._lock = threading.Lock()
+        self._processes: dict[str, dict[int, int]] = {}  # from the last scrape, by bus id
         self._devices: dict[str, _Device] = {}
         self._xids: dict[str, dict[int, int]] = {}
         self._busy: _Job | None = None
@@ -344,17 +347,24 @@ class NvidiaCollector:
             # Still inside a call from an earlier scrape: queueing behind it would only stack
             # up stuck scrapes. Report every GPU as not readable, at once.
             message = f"NVML worker still stuck in {self._describe_call()}; no new NVML work queued"
+            self._processes = {}
             yield from self._families({})
             raise CollectorError(message)
         finished = job.done.wait(self._timeout)
         if not finished:
             job.cancelled.set()  # the worker stops this job when the stuck call returns
             message = f"NVML call {self._describe_call()} did not return within {self._timeout:g} s"
-        yield from self._families(job.readings())
+        readings = job.readings()
+        self._processes = {bus: r.processes for bus, r in readings.items() if r.up}
+        yield from self._families(readings)
         if not finished:
             raise CollectorError(message)
         if job.failure is not None:
             raise CollectorError(job.failure)
+
+    def process_memory(self) -> dict[str, dict[int, int]]:
+        """GPU memory by pid, per GPU (PCI bus id), as read by the last scrape."""
+        return {bus: dict(procs) for bus, procs in self._processes.items()}
 
     def close(self) -> None:
         """Stop the worker (which frees the event set and shuts NVML down)."""
@@ -718,7 +728,9 @@ class NvidiaCollector:
             return _Reading(up=False)
         # Every call failing (and not as "not supported") is a GPU that answers nothing.
         up = read.answers > 0 or read.errors == 0
-        return _Reading(up=up, samples=read.samples if up else {})
+        if not up:
+            return _Reading(up=False)
+        return _Reading(up=True, samples=read.samples, processes=read.processes)
 
     def _read_fields(self, r: _DeviceRead) -> None:
         nvml, h = self._nvml, r.device.handle
@@ -783,10 +795,29 @@ class NvidiaCollector:
 
         self._read_memory_health(r)
 
+        self._read_processes(r)
+
         mode = r.get(nvml.nvmlDeviceGetComputeMode, h)
         if mode is not None:
             for name, value in COMPUTE_MODES.items():
                 r.add("gpufleet_gpu_compute_mode", (name,), 1 if mode == value else 0)
+
+    def _read_processes(self, r: _DeviceRead) -> None:
+        """Which pids hold how much memory on the GPU, for `gpufleet_server_gpu_memory_bytes`.
+
+        On an MPS host (EXCLUSIVE_PROCESS + nvidia-cuda-mps-control) the compute list holds the
+        MPS server and the clients appear only in the MPS list, so both are read.
+        """
+        nvml, h = self._nvml, r.device.handle
+        for fn in (
+            nvml.nvmlDeviceGetComputeRunningProcesses,
+            nvml.nvmlDeviceGetMPSComputeRunningProcesses,
+        ):
+            for proc in r.get(fn, h) or ():
+                used = getattr(proc, "usedGpuMemory", None)
+                pid = getattr(proc, "pid", None)
+                if isinstance(pid, int) and isinstance(used, int):
+                    r.processes[pid] = max(used, r.processes.get(pid, 0))
 
     def _read_memory(self, r: _DeviceRead) -> None:
         nvml, h, device = self._nvml, r.device.handle, r.device

@@ -21,7 +21,7 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import pynvml
 
@@ -316,6 +316,14 @@ class NvmlBackend(Protocol):
 
     def nvmlDeviceGetComputeMode(self, handle: object) -> int:
         """`NVML_COMPUTEMODE_*`."""
+        ...
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: object) -> list[Any]:
+        """Compute processes: objects with `pid` and `usedGpuMemory` (bytes, or None)."""
+        ...
+
+    def nvmlDeviceGetMPSComputeRunningProcesses(self, handle: object) -> list[Any]:
+        """MPS clients on an MPS host, shaped like the compute processes."""
         ...
 
     def nvmlEventSetCreate(self) -> object:

@@ -44,6 +44,8 @@ Scenario format (`tests/fixtures/nvml/*.yaml`, `examples/nvml-fake/*.yaml`)::
         retired_pages: {single_bit_ecc: 0, double_bit_ecc: 0, pending: false}
         remapped_rows: {correctable: 0, uncorrectable: 0, pending: false, failed: false}
         xid_events: [13, 79]          # delivered once each through the event-set API
+        processes: [{pid: 4242, used_bytes: 21474836480}]   # compute processes (default none)
+        mps_processes: [{pid: 4343, used_bytes: 1073741824}] # MPS clients (default none)
         not_supported: [fan_speed_percent]   # these keys raise NOT_SUPPORTED
         lost_after_calls: 40          # GPU_IS_LOST after 40 device calls; gone after re-init
         hang: {call: nvmlDeviceGetPowerUsage, seconds: 3, times: 1}
@@ -192,6 +194,13 @@ _CONTROL_KEYS = frozenset(
 )
 
 
+class ProcessScenario(_Strict):
+    """One entry of `processes` / `mps_processes`: a pid and the GPU memory it holds."""
+
+    pid: int = Field(ge=1)
+    used_bytes: int | None = Field(default=None, ge=0)  # None: NVML cannot say (WDDM, MIG)
+
+
 class GpuScenario(_Strict):
     """One GPU of a scenario; see the module docstring for the keys."""
 
@@ -220,6 +229,8 @@ class GpuScenario(_Strict):
     retired_pages: RetiredPagesScenario | None = None
     remapped_rows: RemappedRowsScenario | None = None
     xid_events: list[int] = Field(default_factory=list)
+    processes: list[ProcessScenario] = Field(default_factory=list)
+    mps_processes: list[ProcessScenario] = Field(default_factory=list)
     not_supported: list[str] = Field(default_factory=list)
     lost_after_calls: int | None = Field(default=None, ge=0)
     hang: HangScenario | None = None
@@ -312,6 +323,25 @@ def _supported(gpu: GpuScenario, key: str, value: T | None) -> T:
     if value is None or key in gpu.not_supported:
         raise _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
     return value
+
+
+def _processes(gpu: GpuScenario, key: str, entries: list[ProcessScenario]) -> list[Any]:
+    if key in gpu.not_supported:
+        raise _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
+    # pynvml hands back nvmlFriendlyObject instances (attributes, not ctypes fields) and
+    # turns NVML_VALUE_NOT_AVAILABLE into usedGpuMemory=None; the fake does the same.
+    no_instance = 0xFFFFFFFF  # NVML's "not a MIG instance"
+    return [
+        pynvml.nvmlFriendlyObject(
+            {
+                "pid": entry.pid,
+                "usedGpuMemory": entry.used_bytes,
+                "gpuInstanceId": no_instance,
+                "computeInstanceId": no_instance,
+            }
+        )
+        for entry in entries
+    ]
 
 
 def _opaque(pointer_type: type[ctypes._Pointer[Any]], keep: list[object]) -> object:
@@ -629,6 +659,16 @@ class FakeNvml:
         """`NVML_COMPUTEMODE_*`."""
         gpu = self._device(handle, "nvmlDeviceGetComputeMode")
         return COMPUTE_MODES[_supported(gpu, "compute_mode", gpu.compute_mode)]
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: object) -> list[Any]:
+        """Friendly objects with `pid`, `usedGpuMemory` (None when not available)."""
+        gpu = self._device(handle, "nvmlDeviceGetComputeRunningProcesses")
+        return _processes(gpu, "processes", gpu.processes)
+
+    def nvmlDeviceGetMPSComputeRunningProcesses(self, handle: object) -> list[Any]:
+        """MPS clients, shaped like the compute processes."""
+        gpu = self._device(handle, "nvmlDeviceGetMPSComputeRunningProcesses")
+        return _processes(gpu, "mps_processes", gpu.mps_processes)
 
     # -- events -------------------------------------------------------------------------------
 

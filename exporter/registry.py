@@ -29,6 +29,7 @@ from exporter.collectors.llama import LlamaCollector
 from exporter.collectors.nvidia import NvidiaCollector
 from exporter.collectors.selfstats import CollectorOutcome, self_metrics
 from exporter.collectors.server_memory import ServerMemoryCollector
+from exporter.collectors.units import UnitsCollector
 from exporter.collectors.vllm import VllmCollector
 from exporter.gpu_index import GpuIndex
 from exporter.roster import Host
@@ -177,6 +178,7 @@ def build_collectors(settings: ExporterSettings) -> list[SourceCollector]:
     if servers:
         # One `systemctl show` per scrape for every collector that needs the units.
         units = UnitsReader([s.unit for s in servers.values()])
+        collectors.append(UnitsCollector(servers, units, procfs=settings.procfs))
         collectors.append(
             ServerMemoryCollector(
                 servers,

@@ -1,0 +1,287 @@
+"""systemd units of the roster's model servers, and each unit's main process.
+
+Sample output (as in `tests/golden/units.prom`: one server running, one in a restart loop,
+one failed, one whose unit does not exist on the host; the golden file leaves out the state
+change time, which depends on the clock)::
+
+    gpufleet_unit_active{server="alpha",unit="llama-server@alpha.service"} 1.0
+    gpufleet_unit_state{server="beta",state="activating",unit="llama-server@beta.service"} 1.0
+    gpufleet_unit_state{server="beta",state="active",unit="llama-server@beta.service"} 0.0
+    gpufleet_unit_sub_state_info{server="beta",sub_state="auto-restart",
+                                 unit="llama-server@beta.service"} 1.0
+    gpufleet_unit_restarts_total{server="beta",unit="llama-server@beta.service"} 27.0
+    gpufleet_unit_main_pid{server="alpha",unit="llama-server@alpha.service"} 4242.0
+    gpufleet_unit_state_change_timestamp_seconds{server="alpha",
+                                                 unit="llama-server@alpha.service"} 1.700005e+09
+    gpufleet_unit_loaded{server="delta",unit="llama-server@delta.service"} 0.0
+    gpufleet_server_process_resident_memory_bytes{server="alpha"} 1.2288e+09
+    gpufleet_server_process_cpu_seconds_total{server="alpha"} 15.0
+    gpufleet_server_process_threads{server="alpha"} 9.0
+    gpufleet_server_process_start_time_seconds{server="alpha"} 1.700005e+09
+
+Check by hand::
+
+    systemctl show -p LoadState,ActiveState,SubState,MainPID,NRestarts,StateChangeTimestamp UNIT
+    ps -o rss=,time=,nlwp=,lstart= -p MAINPID     # RSS in KiB, CPU time, threads, start
+
+How it reads:
+
+- The unit statuses come from the shared `UnitsReader`: one `systemctl show` for every unit
+  of the roster, shared with the other collectors of the same scrape. When systemctl fails
+  (no bus, no systemd, a timeout) nothing of the units is known, so nothing is exported and
+  the collector raises `CollectorError` with systemctl's message.
+- `gpufleet_unit_state` is one-hot over systemd's active states. A start loop shows as
+  `activating` with sub-state `auto-restart`; a state systemd added after the six we list
+  (`maintenance`, `refreshing`) is exported as an extra `state` value rather than dropped,
+  so exactly one `state` is 1 whatever the systemd version.
+- What systemd does not say is absent, never 0: `NRestarts` (systemd < 235 has none), the
+  main PID (`MainPID=0`: no main process), the state change time (`0`: never changed).
+- The state change time is systemd's CLOCK_MONOTONIC stamp turned into Unix time, so a
+  clock step after boot (NTP) cannot skew it; it is rounded to whole seconds so that it stays
+  put between changes.
+- The process series read the unit's main process from `<procfs>/PID/stat` and `status`
+  (proc(5)). psutil would read the same files but only from the global `psutil.PROCFS_PATH`,
+  which a collector must not change under its neighbours, so the files are parsed here.
+  A process that exited between systemctl's answer and the read is simply absent; any other
+  unreadable `/proc` file is reported with `CollectorError` after the rest is yielded.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+
+from exporter.collectors.base import CollectorError
+from exporter.roster import Server
+from exporter.sources.systemd import SystemdError, UnitsReader, UnitStatus, monotonic_to_unix
+
+# systemd's unit active states (systemd.unit(5), "ActiveState"; `systemctl --state=help`).
+ACTIVE_STATES = ("active", "reloading", "inactive", "failed", "activating", "deactivating")
+
+# A process that exits after systemctl named it: its /proc directory is gone (ENOENT), or a
+# file opened just before it was reaped can no longer be read (ESRCH).
+_VANISHED = (FileNotFoundError, ProcessLookupError)
+
+
+@dataclass(frozen=True)
+class ProcessStats:
+    """One process as `/proc/PID/stat` and `/proc/PID/status` describe it."""
+
+    resident_memory_bytes: int | None  # None for a zombie (its status has no VmRSS line)
+    cpu_seconds: float  # user + system time of all its threads
+    threads: int
+    start_ticks: int  # clock ticks after boot (proc(5): stat field 22, `starttime`)
+
+
+def read_process(pid: int, *, procfs: str = "/proc", clock_ticks: int) -> ProcessStats | None:
+    """The process's stats, or None when it no longer exists.
+
+    Raises `OSError` or `ValueError` when the files exist but cannot be read or parsed.
+    Both files are read before anything is returned, so a process that exits between the two
+    reads gives None, never half of its series.
+    """
+    directory = os.path.join(procfs, str(pid))
+    try:
+        with open(os.path.join(directory, "stat"), "rb") as f:
+            stat = f.read()
+        with open(os.path.join(directory, "status"), "rb") as f:
+            status = f.read()
+    except _VANISHED:
+        return None
+    # The command name (field 2) is in parentheses and may itself hold spaces and ')': the
+    # fields that follow start after the last ')' (proc(5)). fields[0] is field 3, `state`.
+    fields = stat[stat.rindex(b")") + 2 :].split()
+    utime, stime = int(fields[11]), int(fields[12])  # fields 14 and 15, in clock ticks
+    threads = int(fields[17])  # field 20, num_threads
+    start_ticks = int(fields[19])  # field 22, starttime
+    rss: int | None = None
+    for line in status.splitlines():
+        if line.startswith(b"VmRSS:"):
+            # "VmRSS:\t   1780 kB": the kernel's "kB" is KiB (proc(5)).
+            rss = int(line.split()[1]) * 1024
+            break
+    return ProcessStats(rss, (utime + stime) / clock_ticks, threads, start_ticks)
+
+
+def read_boot_time(procfs: str = "/proc") -> float:
+    """The boot time as Unix time (`btime` of `/proc/stat`); raises `OSError`/`ValueError`."""
+    with open(os.path.join(procfs, "stat"), "rb") as f:
+        for line in f:
+            if line.startswith(b"btime "):
+                return float(line.split()[1])
+    raise ValueError(f"{procfs}/stat has no btime line")
+
+
+class _Families:
+    """The families of one scrape, filled server by server."""
+
+    def __init__(self) -> None:
+        su = ["server", "unit"]
+        self.active = GaugeMetricFamily(
+            "gpufleet_unit_active", "1 when the unit's ActiveState is active.", labels=su
+        )
+        self.state = GaugeMetricFamily(
+            "gpufleet_unit_state",
+            "1 for the unit's ActiveState (active, reloading, inactive, failed, activating, "
+            "deactivating), 0 for the others.",
+            labels=["server", "unit", "state"],
+        )
+        self.sub_state = GaugeMetricFamily(
+            "gpufleet_unit_sub_state_info",
+            "The unit's SubState (running, auto-restart, failed...); the value is 1.",
+            labels=["server", "unit", "sub_state"],
+        )
+        self.restarts = CounterMetricFamily(
+            "gpufleet_unit_restarts",
+            # systemd flushes the count at the first start after the unit stopped without
+            # restarting, and on reset-failed (service.c, flush_n_restarts): a counter reset.
+            "Automatic restarts of the unit (NRestarts; back to 0 on a start after a stop).",
+            labels=su,
+        )
+        self.main_pid = GaugeMetricFamily(
+            "gpufleet_unit_main_pid", "PID of the unit's main process (MainPID).", labels=su
+        )
+        self.state_change = GaugeMetricFamily(
+            "gpufleet_unit_state_change_timestamp_seconds",
+            "Unix time the unit entered its current state (StateChangeTimestamp).",
+            labels=su,
+        )
+        self.loaded = GaugeMetricFamily(
+            "gpufleet_unit_loaded",
+            "1 when the unit's LoadState is loaded; 0 e.g. not-found: no such unit on the host.",
+            labels=su,
+        )
+        s = ["server"]
+        self.rss = GaugeMetricFamily(
+            "gpufleet_server_process_resident_memory_bytes",
+            "Resident memory of the server's main process (VmRSS).",
+            labels=s,
+        )
+        self.cpu = CounterMetricFamily(
+            "gpufleet_server_process_cpu_seconds",
+            "User and system CPU time of the server's main process.",
+            labels=s,
+        )
+        self.threads = GaugeMetricFamily(
+            "gpufleet_server_process_threads", "Threads of the server's main process.", labels=s
+        )
+        self.start_time = GaugeMetricFamily(
+            "gpufleet_server_process_start_time_seconds",
+            "Unix time the server's main process started.",
+            labels=s,
+        )
+
+    def all(self) -> list[Metric]:
+        return [
+            self.active, self.state, self.sub_state, self.restarts, self.main_pid,
+            self.state_change, self.loaded, self.rss, self.cpu, self.threads, self.start_time,
+        ]  # fmt: skip
+
+
+class UnitsCollector:
+    """The roster servers' systemd units and main processes; see the module docstring."""
+
+    name = "units"
+
+    def __init__(
+        self, servers: Mapping[str, Server], units: UnitsReader, *, procfs: str = "/proc"
+    ) -> None:
+        missing = sorted({s.unit for s in servers.values()} - set(units.units))
+        if missing:
+            # A wiring bug in the registry, not a host problem: refuse to start rather than
+            # export nothing for these servers on every scrape.
+            raise ValueError(f"the UnitsReader does not read unit(s) {', '.join(missing)}")
+        self._servers = dict(servers)
+        self._units = units
+        self._procfs = procfs
+        # USER_HZ: the unit of utime, stime and starttime (proc(5)); fixed for the kernel.
+        self._clock_ticks = os.sysconf("SC_CLK_TCK")
+
+    def collect(self) -> Iterator[Metric]:
+        """One scrape of every server's unit and main process.
+
+        Raises `CollectorError` without yielding when systemctl failed, and after yielding
+        the rest when a process's `/proc` files could not be read.
+        """
+        if not self._servers:
+            return
+        try:
+            statuses = self._units.statuses()
+        except SystemdError as exc:
+            raise CollectorError(str(exc)) from None
+        families = _Families()
+        problems: list[str] = []
+        boot_time: float | None = None
+        boot_time_read = False
+        for server_name, server in self._servers.items():
+            status = statuses.get(server.unit)
+            if status is None:  # parse_show answers every unit asked; kept as a guard
+                problems.append(f"{server_name}: systemctl said nothing of {server.unit}")
+                continue
+            _export_unit(families, server_name, status)
+            if status.main_pid is None:
+                continue
+            try:
+                stats = read_process(
+                    status.main_pid, procfs=self._procfs, clock_ticks=self._clock_ticks
+                )
+            except (OSError, ValueError, IndexError) as exc:
+                # IndexError: a stat line with fewer fields than proc(5) promises.
+                problems.append(f"{server_name}: cannot read process {status.main_pid}: {exc}")
+                continue
+            if stats is None:
+                continue
+            if not boot_time_read:
+                # Read once per scrape, and only when a process needs it.
+                boot_time_read = True
+                try:
+                    boot_time = read_boot_time(self._procfs)
+                except (OSError, ValueError) as exc:
+                    problems.append(f"cannot read the boot time: {exc}")
+            _export_process(families, server_name, stats, boot_time, self._clock_ticks)
+        yield from (family for family in families.all() if family.samples)
+        if problems:
+            raise CollectorError("; ".join(problems))
+
+    def close(self) -> None:
+        """Nothing to release: the `UnitsReader` belongs to whoever built it."""
+
+
+def _export_unit(f: _Families, server: str, status: UnitStatus) -> None:
+    labels = [server, status.unit]
+    if status.active_state:
+        f.active.add_metric(labels, 1.0 if status.active else 0.0)
+        states = list(ACTIVE_STATES)
+        if status.active_state not in states:
+            states.append(status.active_state)
+        for state in states:
+            f.state.add_metric([*labels, state], 1.0 if state == status.active_state else 0.0)
+    if status.sub_state:
+        f.sub_state.add_metric([*labels, status.sub_state], 1.0)
+    if status.n_restarts is not None:
+        f.restarts.add_metric(labels, status.n_restarts)
+    if status.main_pid is not None:
+        f.main_pid.add_metric(labels, status.main_pid)
+    if status.state_change_monotonic_seconds is not None:
+        # Whole seconds: the monotonic-to-Unix offset is read anew each scrape and drifts by
+        # microseconds (and NTP slew), which would make `changes()` see a change every scrape.
+        entered = monotonic_to_unix(status.state_change_monotonic_seconds)
+        f.state_change.add_metric(labels, round(entered))
+    if status.load_state:
+        f.loaded.add_metric(labels, 1.0 if status.load_state == "loaded" else 0.0)
+
+
+def _export_process(
+    f: _Families, server: str, stats: ProcessStats, boot_time: float | None, clock_ticks: int
+) -> None:
+    labels = [server]
+    if stats.resident_memory_bytes is not None:
+        f.rss.add_metric(labels, stats.resident_memory_bytes)
+    f.cpu.add_metric(labels, stats.cpu_seconds)
+    f.threads.add_metric(labels, stats.threads)
+    if boot_time is not None:
+        f.start_time.add_metric(labels, boot_time + stats.start_ticks / clock_ticks)

@@ -10,7 +10,8 @@ SCRAPES ?= 300
 # Debian packages the tests and the benchmark need, and why:
 #   prometheus                promtool, which checks our exposition format (`check metrics`)
 #   prometheus-node-exporter  the peer that bench/exporter_amd.py measures us against
-DEB_PACKAGES := prometheus prometheus-node-exporter
+#   openssl, curl             test certificates and a second real client for the TLS tests
+DEB_PACKAGES := prometheus prometheus-node-exporter openssl curl
 
 .PHONY: run test bench deps venv lint typecheck unit
 
@@ -37,7 +38,8 @@ deps:
 	done; \
 	if [ -n "$$missing" ]; then \
 	  echo "make: installing Debian packages:$$missing"; \
-	  echo "      (promtool checks our exposition format; node_exporter is the benchmark's peer)"; \
+	  echo "      (promtool checks our exposition and configs; node_exporter is the benchmark's"; \
+	  echo "      peer; openssl and curl make and use the TLS tests' certificates)"; \
 	  sudo=""; [ "$$(id -u)" -eq 0 ] || sudo="sudo"; \
 	  $$sudo apt-get update -q && \
 	  $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $$missing; \

@@ -1,11 +1,13 @@
 """`gpu-fleet-exporter`: the exporter for one GPU host.
 
     gpu-fleet-exporter [--config FILE] [--host NAME] [--web.listen-address ADDR]
-                       [--sysfs DIR] [--once] [--nvml.fake-scenario FILE]
+                       [--web.config.file FILE] [--sysfs DIR] [--procfs DIR] [--once]
+                       [--nvml.fake-scenario FILE]
 
 With no roster at the default path (and no `--config`), it detects the hardware and watches no
 servers. A roster that is given but unusable, or a host that cannot be determined, stops the
-start with exit status 2 and a message naming the file and key.
+start with exit status 2 and a message naming the file and key; so does a web config file
+(`--web.config.file`: TLS and basic auth, see `exporter.webconfig`) with one line per problem.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from exporter.exposition import TextWriter
 from exporter.http import MetricsServer, parse_listen_address
 from exporter.registry import ExporterSettings, build_registry
 from exporter.roster import DEFAULT_ROSTER_PATH, Host, RosterError, load_roster, resolve_host_name
+from exporter.webconfig import TLSLoadError, WebConfig, WebConfigError, load_web_config
 
 log = logging.getLogger("gpu-fleet-exporter")
 
@@ -50,7 +53,16 @@ def _parser() -> argparse.ArgumentParser:
         default=":9445",
         help="address to serve /metrics on (default :9445, all interfaces)",
     )
+    p.add_argument(
+        "--web.config.file",
+        dest="web_config_file",
+        type=Path,
+        default=None,
+        help="TLS and basic auth: a web config file in the Prometheus exporter-toolkit format "
+        "(as node_exporter's); without it, plain HTTP and no auth",
+    )
     p.add_argument("--sysfs", default="/sys", help="sysfs mount point (default /sys)")
+    p.add_argument("--procfs", default="/proc", help="procfs mount point (default /proc)")
     p.add_argument("--once", action="store_true", help="print one scrape to stdout and exit 0")
     p.add_argument(
         "--nvml.fake-scenario",
@@ -107,6 +119,17 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"gpu-fleet-exporter: --web.listen-address: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    web_config = None
+    if args.web_config_file is not None:
+        # Checked with --once too, so `--once` doubles as a check of the file.
+        try:
+            web_config = load_web_config(args.web_config_file)
+        except WebConfigError as exc:
+            for problem in exc.problems:
+                print(f"gpu-fleet-exporter: {problem}", file=sys.stderr)
+            return EXIT_USAGE
+        for note in web_config.notes:
+            log.warning("%s: %s", args.web_config_file, note)
     try:
         host = _roster_host(args.config, args.host)
     except RosterError as exc:
@@ -115,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = ExporterSettings(
         host=host,
         sysfs=args.sysfs,
+        procfs=args.procfs,
         nvml_fake_scenario=args.nvml_fake_scenario,
         collector_timeout_seconds=args.collector_timeout,
     )
@@ -124,20 +148,26 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.buffer.write(TextWriter().render_registry(registry))
             sys.stdout.flush()
             return 0
-        return _serve(registry, listen)
+        return _serve(registry, listen, web_config)
     finally:
         fleet.close()
 
 
-def _serve(registry: CollectorRegistry, listen: tuple[str, int]) -> int:
+def _serve(
+    registry: CollectorRegistry, listen: tuple[str, int], web_config: WebConfig | None
+) -> int:
     try:
-        server = MetricsServer(registry, *listen)
+        server = MetricsServer(registry, *listen, web_config=web_config)
     except OSError as exc:
         print(
             f"gpu-fleet-exporter: cannot listen on {listen[0]}:{listen[1]}: {exc}",
             file=sys.stderr,
         )
         return 1
+    except TLSLoadError as exc:  # the TLS files changed since they were checked
+        source = web_config.source if web_config is not None else "--web.config.file"
+        print(f"gpu-fleet-exporter: {source}: tls_server_config.{exc.key}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -148,7 +178,9 @@ def _serve(registry: CollectorRegistry, listen: tuple[str, int]) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     server.start()
-    log.info("serving /metrics on %s:%d", listen[0], server.port)
+    log.info("serving /metrics on %s://%s:%d", server.scheme, listen[0], server.port)
+    if web_config is not None:
+        log.info("%s: %s", web_config.source, web_config.describe())
     stop.wait()
     server.stop()
     return 0

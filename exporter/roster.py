@@ -30,6 +30,8 @@ from pydantic import (
     model_validator,
 )
 
+from exporter.yamlfile import load_strict
+
 DEFAULT_ROSTER_PATH = Path("/etc/gpu-fleet/fleet.yaml")
 DEFAULT_HOST_FILE = Path("/etc/gpu-fleet/host")
 DEFAULT_EXPORTER_PORT = 9445
@@ -232,35 +234,6 @@ class Roster(_Strict):
     hosts: dict[Name, Host]
 
 
-def _unique_key_loader() -> type[yaml.SafeLoader]:
-    """A SafeLoader that refuses duplicate mapping keys.
-
-    Plain YAML keeps the last of two equal keys, so a second `alpha:` would silently replace
-    the first server; a roster must never lose an entry without saying so.
-    """
-
-    class UniqueKeyLoader(yaml.SafeLoader):
-        pass
-
-    def construct_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode) -> dict[Any, Any]:
-        loader.flatten_mapping(node)
-        result: dict[Any, Any] = {}
-        for key_node, value_node in node.value:
-            key = loader.construct_object(key_node, deep=True)
-            if key in result:
-                mark = key_node.start_mark
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {key!r} (line {mark.line + 1})", mark
-                )
-            result[key] = loader.construct_object(value_node, deep=True)
-        return result
-
-    UniqueKeyLoader.add_constructor(
-        yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, construct_mapping
-    )
-    return UniqueKeyLoader
-
-
 def _key_path(loc: tuple[int | str, ...]) -> str:
     return ".".join(str(part) for part in loc) or "(top level)"
 
@@ -296,7 +269,7 @@ def load_roster(path: Path) -> Roster:
     except OSError as exc:
         raise RosterError(f"{path}: cannot read: {exc.strerror or exc}") from None
     try:
-        data = yaml.load(text, Loader=_unique_key_loader())
+        data = load_strict(text)
     except yaml.YAMLError as exc:
         raise RosterError(f"{path}: not valid YAML: {exc}") from None
     return parse_roster(data, str(path))

@@ -7,6 +7,7 @@ for a GPU), with the roster's expectations and thermal limits.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -34,6 +35,7 @@ from tests.sysfs_tree import (
     write_hwmon_chip,
     write_k10temp,
 )
+from tests.systemctl_stand_in import SystemctlStandIn
 from tests.vllm_stand_in import VllmStandIn
 
 REPO = Path(__file__).resolve().parent.parent
@@ -97,15 +99,28 @@ def readme_metric_names() -> set[str]:
 
 
 def test_readme_lists_exactly_the_series_the_exporter_produces(
-    tmp_path: Path, llama_server: StartLlamaServer
+    tmp_path: Path, llama_server: StartLlamaServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Everything at once: GPUs of both vendors, host chips, a real llama-server generating on
-    # one of its two slots (with its canary), and a vLLM stand-in (vLLM cannot run here).
+    # one of its two slots (with its canary), a vLLM stand-in (vLLM cannot run here), and
+    # their units through the systemctl stand-in (systemd is not PID 1 here).
     sysfs = tmp_path / "sys"
     write_amd_card(sysfs, replace(discrete_spec(0, "0000:03:00.0"), energy=1_234_000_000))
     write_k10temp(sysfs)
     llama = llama_server("-c", "65536", "-np", "2", "-t", "1", "-a", "tiny", "--metrics")
     llama.generate(n_predict=30000)
+    systemctl = SystemctlStandIn(tmp_path)
+    systemctl.activate(monkeypatch)
+    systemctl.set_unit(
+        "llama-server@alpha.service",
+        ActiveState="active",
+        SubState="running",
+        MainPID=llama.pid,
+        NRestarts=2,
+        StateChangeTimestampMonotonic=int(time.monotonic() * 1e6) - 5_000_000,
+    )
+    # The vLLM stand-in listens in this very process.
+    systemctl.set_unit("vllm@zeta.service", ActiveState="active", MainPID=os.getpid())
     with VllmStandIn(REPO / "tests" / "fixtures" / "vllm" / "metrics-v1.txt") as vllm:
         host = Host.model_validate(
             {
@@ -118,6 +133,7 @@ def test_readme_lists_exactly_the_series_the_exporter_produces(
                         "role": "gpu-dense",
                         "model": "tiny",
                         "canary": {"interval_seconds": 3600, "max_tokens": 8},
+                        "gpu": 0,
                     },
                     "zeta": {
                         "engine": "vllm",

@@ -59,8 +59,10 @@ unit: venv
 test: deps venv lint typecheck unit
 	$(BIN)/python bench/exporter_amd.py --scrapes 20
 	$(BIN)/python bench/exporter_servers.py --scrapes 2
+	$(BIN)/python bench/port_ghosts.py --processes 50 --runs 20
 
-## make bench: the benchmarks: AMD sysfs against node_exporter; six servers, one hung
+## make bench: AMD sysfs against node_exporter; six servers, one hung; port ghosts
 bench: deps venv
 	$(BIN)/python bench/exporter_amd.py --scrapes $(SCRAPES)
 	$(BIN)/python bench/exporter_servers.py --scrapes 10
+	$(BIN)/python bench/port_ghosts.py

@@ -27,6 +27,7 @@ from exporter.collectors.host import HostCollector
 from exporter.collectors.hwmon import HwmonCollector
 from exporter.collectors.llama import LlamaCollector
 from exporter.collectors.nvidia import NvidiaCollector
+from exporter.collectors.ports import PortsCollector
 from exporter.collectors.selfstats import CollectorOutcome, self_metrics
 from exporter.collectors.server_memory import ServerMemoryCollector
 from exporter.collectors.units import UnitsCollector
@@ -179,6 +180,9 @@ def build_collectors(settings: ExporterSettings) -> list[SourceCollector]:
         # One `systemctl show` per scrape for every collector that needs the units.
         units = UnitsReader([s.unit for s in servers.values()])
         collectors.append(UnitsCollector(servers, units, procfs=settings.procfs))
+        collectors.append(
+            PortsCollector(servers, units, procfs=settings.procfs, sysfs=settings.sysfs)
+        )
         collectors.append(
             ServerMemoryCollector(
                 servers,

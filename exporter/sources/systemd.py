@@ -119,9 +119,7 @@ def show_units(
         return {}
     command = [systemctl, "show", "--no-pager", f"--property={','.join(PROPERTIES)}", *units]
     try:
-        done = subprocess.run(
-            command, capture_output=True, text=True, timeout=timeout, check=False
-        )
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
     except FileNotFoundError:
         raise SystemdError(f"{systemctl} not found on PATH") from None
     except subprocess.TimeoutExpired:

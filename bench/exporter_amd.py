@@ -20,7 +20,6 @@ import argparse
 import http.client
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -31,18 +30,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.sysfs_tree import write_amd_fleet, write_k10temp  # noqa: E402 - needs the repo root
+from tests.llama_lab import free_port  # noqa: E402 - needs the repo root on sys.path
+from tests.sysfs_tree import write_amd_fleet, write_k10temp  # noqa: E402
 
 CARDS = [0, 1, 2, 3, 10, 11, 12, 13]
 TARGET_RATIO = 0.8
 NODE_EXPORTER_NAMES = ("prometheus-node-exporter", "node_exporter")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def scrape(port: int) -> tuple[float, bytes]:

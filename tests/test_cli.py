@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from exporter.roster import DEFAULT_ROSTER_PATH
+from tests.llama_lab import free_port
 from tests.sysfs_tree import write_amd_fleet
 
 REPO = Path(__file__).resolve().parent.parent
@@ -195,13 +195,6 @@ def test_not_yet_built_commands_say_so_and_fail() -> None:
         )
         assert result.returncode != 0
         assert "not built yet" in result.stderr
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def test_serves_metrics_and_stops_cleanly_on_sigterm(tmp_path: Path) -> None:

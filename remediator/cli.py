@@ -1,22 +1,265 @@
-"""`gpu-fleet-remediator`: not built yet.
+"""`gpu-fleet-remediator`: serve, check-config, replay, runs, roster file-sd, init-config.
 
-The remediator (webhook, journal, playbooks, Zulip reports) is planned work. Until it exists
-the command says so and fails, so that nobody mistakes an installed script for a working one.
+    gpu-fleet-remediator serve --config FILE
+    gpu-fleet-remediator check-config --config FILE
+    gpu-fleet-remediator replay FILE.json --config FILE [--dry-run]
+    gpu-fleet-remediator runs --config FILE [--limit N] [--json]
+    gpu-fleet-remediator roster file-sd (--roster FILE | --config FILE)
+    gpu-fleet-remediator init-config DIR [--roster FILE]
+
+A config, roster or playbook that is not valid stops the command with exit status 2 and one
+line per problem, each naming the file and the key path.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import logging
+import os
+import secrets
+import signal
 import sys
+from pathlib import Path
+from types import FrameType
+
+from exporter.roster import RosterError, load_roster
+from remediator.config import ConfigError, RemediatorConfig, load_config
+from remediator.journal.store import JournalError, RunRecord
+from remediator.playbooks.loader import PlaybookError, load_playbooks
+from remediator.service import Services, build_services
+
+log = logging.getLogger("gpu-fleet-remediator")
+
+EXIT_CONFIG = 2
+EXIT_RUNTIME = 1
+DEFAULT_CONFIG = Path("/etc/gpu-fleet/remediator.yaml")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="gpu-fleet-remediator",
+        description="Alertmanager webhooks -> playbooks -> actions -> verification -> reports.",
+    )
+    p.add_argument("--log.level", dest="log_level", default="info",
+                   choices=["debug", "info", "warning", "error"])  # fmt: skip
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def with_config(cmd: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        cmd.add_argument("--config", type=Path, default=DEFAULT_CONFIG,
+                         help=f"the remediator's config (default {DEFAULT_CONFIG})")  # fmt: skip
+        return cmd
+
+    with_config(sub.add_parser("serve", help="serve the webhook and run playbooks"))
+    with_config(sub.add_parser("check-config", help="validate config, roster and playbooks"))
+    replay = with_config(sub.add_parser("replay", help="feed a saved webhook payload through"))
+    replay.add_argument("payload", type=Path, help="a saved Alertmanager webhook body (JSON)")
+    replay.add_argument("--dry-run", action="store_true", help="journal what would run, run none")
+    runs = with_config(sub.add_parser("runs", help="recent runs, as a table"))
+    runs.add_argument("--limit", type=int, default=20)
+    runs.add_argument("--json", action="store_true", help="JSON instead of a table")
+    roster = sub.add_parser("roster", help="roster helpers")
+    roster_sub = roster.add_subparsers(dest="roster_command", required=True)
+    file_sd = roster_sub.add_parser("file-sd", help="Prometheus file_sd JSON for the exporters")
+    source = file_sd.add_mutually_exclusive_group()
+    source.add_argument("--roster", type=Path, help="the roster (fleet.yaml)")
+    source.add_argument("--config", type=Path, help="the remediator's config (for its roster)")
+    init = sub.add_parser("init-config", help="write a local config with fresh secret files")
+    init.add_argument("directory", type=Path)
+    init.add_argument("--roster", type=Path, help="the roster it points at")
+    return p
+
+
+def _load(path: Path) -> RemediatorConfig:
+    return load_config(path)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Say that the remediator is not built yet and exit non-zero."""
-    del argv
-    print(
-        "gpu-fleet-remediator: not built yet — the remediator is planned work; nothing was started",
-        file=sys.stderr,
+    """Run a subcommand; returns the exit status."""
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
     )
-    return 2
+    try:
+        if args.command == "roster":
+            return _file_sd(args)
+        if args.command == "init-config":
+            return _init_config(args.directory, args.roster)
+        config = _load(args.config)
+        if args.command == "check-config":
+            return _check(config)
+        services = build_services(
+            config,
+            with_engine=args.command in ("serve", "replay"),
+            dry_run=True if getattr(args, "dry_run", False) else None,
+        )
+    except (ConfigError, RosterError, PlaybookError) as exc:
+        print(f"gpu-fleet-remediator: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    except JournalError as exc:
+        print(f"gpu-fleet-remediator: journal: {exc}", file=sys.stderr)
+        return EXIT_RUNTIME
+    try:
+        if args.command == "serve":
+            return _serve(services)
+        if args.command == "replay":
+            return _replay(services, args.payload)
+        return _runs(services, args.limit, as_json=args.json)
+    finally:
+        services.close()
+
+
+def _check(config: RemediatorConfig) -> int:
+    roster = load_roster(config.roster)
+    playbooks = load_playbooks(config.playbooks_dir)
+    print(
+        f"ok: config {config.listen}, roster {config.roster} ({len(roster.hosts)} hosts), "
+        f"{len(playbooks)} playbooks ({', '.join(p.name for p in playbooks)})"
+    )
+    return 0
+
+
+def _serve(services: Services) -> int:
+    from waitress.server import create_server  # noqa: PLC0415 - only `serve` needs it
+
+    from remediator.web import create_app  # noqa: PLC0415
+
+    config = services.config
+    host, _, port = config.listen.rpartition(":")
+    app = create_app(config, services)
+    try:
+        server = create_server(app, host=host.strip("[]") or "127.0.0.1", port=int(port), threads=8)
+    except OSError as exc:
+        print(f"gpu-fleet-remediator: cannot listen on {config.listen}: {exc}", file=sys.stderr)
+        return EXIT_RUNTIME
+    assert services.engine is not None
+    services.engine.start()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        del frame
+        log.info("signal %s: shutting down", signal.Signals(signum).name)
+        server.close()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    log.info("listening on %s, journal %s", config.listen, _safe_url(config.journal))
+    server.run()  # until a signal closes it
+    return 0
+
+
+def _safe_url(url: str) -> str:
+    # Never log a database password.
+    scheme, sep, rest = url.partition("://")
+    if "@" in rest:
+        rest = "***@" + rest.split("@", 1)[1]
+    return scheme + sep + rest
+
+
+def _replay(services: Services, payload: Path) -> int:
+    from remediator.alerts import PayloadError, parse_notification  # noqa: PLC0415
+
+    try:
+        body = payload.read_bytes()
+        notification = parse_notification(body)
+    except (OSError, PayloadError) as exc:
+        print(f"gpu-fleet-remediator: {payload}: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    result = services.journal.record_notification(notification, body)
+    assert services.engine is not None
+    services.engine.process_all()
+    print(
+        f"notification: {len(result.new_run_ids)} new runs, {result.duplicates} duplicates, "
+        f"{result.resolved} resolved"
+    )
+    for run_id in result.new_run_ids:
+        run = services.journal.get_run(run_id)
+        if run is not None:
+            print(_describe(run))
+    return 0
+
+
+def _describe(run: RunRecord) -> str:
+    lines = [
+        f"run {run.id}: {run.alert.alertname} -> {run.playbook or '-'} on {run.target or '-'}: "
+        f"{run.decision or run.state}{' / ' + run.outcome if run.outcome else ''}"
+        + (f" ({run.reason})" if run.reason else "")
+    ]
+    for step in run.steps:
+        lines.append(f"  step {step.index} {step.action}: {step.result} {step.output[:200]}")
+    if run.verification:
+        lines.append(f"  verification: {run.verification}")
+    return "\n".join(lines)
+
+
+def _runs(services: Services, limit: int, *, as_json: bool) -> int:
+    runs = services.journal.recent_runs(limit)
+    if as_json:
+        from remediator.web import run_json  # noqa: PLC0415
+
+        print(json.dumps([run_json(r) for r in runs], indent=2))
+        return 0
+    header = (
+        f"{'id':>6}  {'created (UTC)':19}  {'alert':24}  {'playbook':24}  {'target':28}  result"
+    )
+    print(header)
+    for run in runs:
+        result = run.outcome or run.decision or run.state
+        print(
+            f"{run.id:>6}  {run.created_at:%Y-%m-%d %H:%M:%S}  {run.alert.alertname[:24]:24}  "
+            f"{(run.playbook or '-')[:24]:24}  {(run.target or '-')[:28]:28}  {result}"
+        )
+    return 0
+
+
+def _file_sd(args: argparse.Namespace) -> int:
+    if args.roster is not None:
+        roster_path = args.roster
+    else:
+        roster_path = _load(args.config or DEFAULT_CONFIG).roster
+    roster = load_roster(roster_path)
+    groups = [
+        {
+            "targets": [
+                f"[{host.address}]:{host.exporter_port}"
+                if ":" in host.address
+                else f"{host.address}:{host.exporter_port}"
+            ],
+            "labels": {"host": name},
+        }
+        for name, host in sorted(roster.hosts.items())
+    ]
+    print(json.dumps(groups, indent=2))
+    return 0
+
+
+def _init_config(directory: Path, roster: Path | None) -> int:
+    """A local config under `directory`: SQLite journal, fresh secret files (mode 0600)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    config = directory / "remediator.yaml"
+    if config.exists():
+        print(f"{config} exists; left as it is")
+        return 0
+    for name in ("webhook.token", "admin.token"):
+        path = directory / name
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(32) + "\n")
+    roster_path = (roster or directory / "fleet.yaml").resolve()
+    base = directory.resolve()
+    config.write_text(
+        "# Written by `gpu-fleet-remediator init-config`: a local remediator, embedded journal.\n"
+        "listen: 127.0.0.1:9095\n"
+        f"roster: {roster_path}\n"
+        f"journal: sqlite:///{base / 'journal.db'}\n"
+        f"auth: {{bearer_token_file: {base / 'webhook.token'}}}\n"
+        f"admin: {{bearer_token_file: {base / 'admin.token'}}}\n"
+        "prometheus_url: http://127.0.0.1:9090\n"
+        "dry_run: false\n"
+    )
+    print(f"wrote {config} (secrets in {base}/webhook.token and admin.token)")
+    return 0
 
 
 if __name__ == "__main__":

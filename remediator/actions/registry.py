@@ -1,0 +1,240 @@
+"""The action registry: named functions with typed params, and the one way to run them.
+
+An action is `def name(ctx: ActionContext, params: SomeParams) -> StepResult`, registered by
+name with `@action("name", SomeParams)` (STYLE.md, habit 6). Playbook steps name actions and
+give their params as YAML; the loader validates those params against the action's model at
+start-up, so an unknown action or a bad param stops the start instead of failing at 3 a.m.
+
+Params models forbid unknown keys (a typo must not be dropped silently). String params may be
+templates (`"{server.url}/health"`): `render_params` fills every string from the roster-resolved
+`Target`, never from the alert, and the engine validates the filled mapping again
+(`RegisteredAction.parse_params`) before running the step.
+
+`run_action` runs an action in the calling thread under a deadline: the action must honour
+`ctx.deadline` (`ctx.remaining()`) and `ctx.cancel`; whatever it raises becomes a failed
+`StepResult`, so one broken action never takes the engine down (STYLE.md, habit 7). Under
+dry-run, actions that change something are not called at all (only `read_only` ones run):
+an action author who forgets to look at `ctx.dry_run` cannot make a dry run act.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict
+
+from remediator.playbooks.model import Step, Target, fill_templates
+
+log = logging.getLogger(__name__)
+
+# The step mapping's own key beside the action name: no action may take that name.
+RESERVED_STEP_KEYS = frozenset({"timeout_seconds"})
+_ACTION_NAME = re.compile(r"^[a-z][a-z0-9_]{0,62}$")
+
+# Socket timeouts and sleeps wake a little after the instant they were set for; an action
+# that honoured its deadline must not be reported as a timeout for those milliseconds.
+_DEADLINE_SLACK_SECONDS = 0.25
+
+
+class ActionParams(BaseModel):
+    """Base for params models: unknown keys refused, values frozen.
+
+    `needs_seconds()` tells the loader how long the action needs with these params at least
+    (a `wait` of 600 s needs 600 s), so a step's time limit can never be shorter by mistake.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    def needs_seconds(self) -> float:
+        """The least time the action needs with these params (0: no particular need)."""
+        return 0.0
+
+
+@dataclass(frozen=True)
+class ActionContext:
+    """What an action may know while it runs.
+
+    `deadline` is a `time.monotonic()` instant the action must finish by; `cancel` is set when
+    the run is cancelled (shutdown, pause): long waits must use `cancel.wait(...)`, not sleep.
+    """
+
+    target: Target
+    prometheus_url: str
+    deadline: float
+    cancel: threading.Event
+    dry_run: bool
+
+    def remaining(self) -> float:
+        """Seconds left until the deadline (0 when it has passed)."""
+        return max(0.0, self.deadline - time.monotonic())
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """The outcome of one step: success, a one-line human summary, and structured details."""
+
+    ok: bool
+    output: str
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+ActionFn = Callable[[ActionContext, Any], StepResult]
+P = TypeVar("P", bound=BaseModel)
+
+
+@dataclass(frozen=True)
+class RegisteredAction:
+    """A registered action: its name, params model, function and default time limit.
+
+    `read_only` actions observe and change nothing (probes, checks, waits): they may serve as
+    a playbook's verification probe, and they run for real under dry-run.
+    """
+
+    name: str
+    params_model: type[BaseModel]
+    fn: ActionFn
+    default_timeout_seconds: float
+    read_only: bool = False
+
+    def parse_params(self, raw: Mapping[str, Any]) -> BaseModel:
+        """Validate filled params; raises `pydantic.ValidationError`."""
+        return self.params_model.model_validate(dict(raw))
+
+
+class UnknownActionError(KeyError):
+    """No action is registered under that name."""
+
+
+# The registry is filled by import side effects (`@action` on module level, as robusta does):
+# which actions exist is fixed once `remediator.actions` is imported, never changed at runtime.
+_REGISTRY: dict[str, RegisteredAction] = {}
+_REGISTRY_LOCK = threading.Lock()
+
+
+def action(
+    name: str,
+    params: type[P],
+    *,
+    default_timeout_seconds: float = 60.0,
+    read_only: bool = False,
+) -> Callable[[Callable[[ActionContext, P], StepResult]], Callable[[ActionContext, P], StepResult]]:
+    """Register `fn(ctx, params) -> StepResult` as the action `name` taking `params`.
+
+    Raises `ValueError` for a bad or taken name, a non-positive default time limit, or a
+    params model that accepts unknown keys.
+    """
+    if not _ACTION_NAME.match(name) or name in RESERVED_STEP_KEYS:
+        raise ValueError(f"action name {name!r}: use lower_snake_case, not a reserved step key")
+    if default_timeout_seconds <= 0:
+        raise ValueError(f"action {name}: default_timeout_seconds must be > 0")
+    if params.model_config.get("extra") != "forbid":
+        raise ValueError(
+            f"action {name}: params model {params.__name__} must forbid extra keys "
+            "(subclass ActionParams)"
+        )
+
+    def register(
+        fn: Callable[[ActionContext, P], StepResult],
+    ) -> Callable[[ActionContext, P], StepResult]:
+        with _REGISTRY_LOCK:
+            if name in _REGISTRY:
+                raise ValueError(f"action {name!r} is already registered")
+            _REGISTRY[name] = RegisteredAction(
+                name=name,
+                params_model=params,
+                fn=fn,
+                default_timeout_seconds=default_timeout_seconds,
+                read_only=read_only,
+            )
+        return fn
+
+    return register
+
+
+def get_action(name: str) -> RegisteredAction:
+    """The action registered as `name`; raises `UnknownActionError`."""
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise UnknownActionError(name) from None
+
+
+def registered() -> dict[str, RegisteredAction]:
+    """A copy of the registry, name to action."""
+    with _REGISTRY_LOCK:
+        return dict(_REGISTRY)
+
+
+def render_params(raw: Mapping[str, Any], target: Target) -> dict[str, Any]:
+    """`raw` with every string, at any depth, filled by `target.fill` (keys are left alone)."""
+    return fill_templates(raw, target)
+
+
+def render_step(step: Step, target: Target) -> BaseModel:
+    """A step's params for `target`: filled from the roster, then validated by the action.
+
+    Raises `UnknownActionError` or `pydantic.ValidationError`; both were ruled out at load
+    for the sample target, but a real roster value can still fail (an engine must report it).
+    """
+    return get_action(step.action).parse_params(render_params(step.params, target))
+
+
+def run_action(
+    ctx: ActionContext, name: str, params: BaseModel, timeout_seconds: float
+) -> StepResult:
+    """Run action `name` with validated `params` in this thread, bounded in time.
+
+    The action's deadline is the earlier of `ctx.deadline` and now + `timeout_seconds`.
+    Never raises for the action's sake: an unknown action, wrong params, an exception inside
+    the action (`error: …`) or an overrun (`timeout …`) all come back as a failed
+    `StepResult`. Under `ctx.dry_run` only read-only actions are called.
+    """
+    try:
+        registered_action = get_action(name)
+    except UnknownActionError:
+        return StepResult(False, f"error: no action is registered as {name!r}")
+    if not isinstance(params, registered_action.params_model):
+        return StepResult(
+            False,
+            f"error: {name} takes {registered_action.params_model.__name__}, "
+            f"not {type(params).__name__}",
+        )
+    if ctx.cancel.is_set():
+        return StepResult(False, "cancelled before it started", {"cancelled": True})
+    start = time.monotonic()
+    deadline = min(ctx.deadline, start + max(0.0, timeout_seconds))
+    if deadline <= start:
+        return StepResult(False, "timeout: no time left to start it", {"timeout": True})
+    if ctx.dry_run and not registered_action.read_only:
+        return StepResult(
+            True,
+            f"dry run: would run {name} {params.model_dump_json()}",
+            {"dry_run": True},
+        )
+    bounded = dataclasses.replace(ctx, deadline=deadline)
+    try:
+        result = registered_action.fn(bounded, params)
+    except Exception as exc:
+        # The one broad catch of the remediator, on purpose: whatever an action raises (a bug,
+        # an OSError nobody foresaw) is that step's failure, journaled and reported, and the
+        # run goes on to its verdict; it must never kill the engine's worker thread.
+        log.exception("action %s raised", name)
+        return StepResult(False, f"error: {type(exc).__name__}: {exc}", {"exception": repr(exc)})
+    elapsed = time.monotonic() - start
+    if not isinstance(result, StepResult):
+        return StepResult(False, f"error: {name} returned {type(result).__name__}, not StepResult")
+    if time.monotonic() > deadline + _DEADLINE_SLACK_SECONDS:
+        limit = deadline - start
+        return StepResult(
+            False,
+            f"timeout after {elapsed:.1f} s (limit {limit:.1f} s): {result.output}",
+            {**result.details, "timeout": True, "elapsed_seconds": round(elapsed, 3)},
+        )
+    return result

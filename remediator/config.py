@@ -1,0 +1,578 @@
+"""The remediator's config file: typed, validated completely at start-up, secrets from files.
+
+The keys are fixed by DESIGN.md ("The remediator's config"); the last block adds keys:
+
+    listen: 127.0.0.1:9095                    # host:port or [v6]:port (default shown)
+    roster: /etc/gpu-fleet/fleet.yaml         # the roster (default shown); must be readable
+    journal: sqlite:////var/lib/gpu-fleet/journal.db   # SQLAlchemy URL; or postgresql://…
+    auth: {bearer_token_file: /etc/gpu-fleet/webhook.token}   # Alertmanager's credentials;
+                                              # or basic_auth: {username, password_file}
+    admin: {bearer_token_file: /etc/gpu-fleet/admin.token}    # for /api/*: a different secret
+    prometheus_url: http://127.0.0.1:9090     # default shown
+    playbooks_dir: /etc/gpu-fleet/playbooks   # optional; the built-in playbooks always load
+    dry_run: false
+    zulip:                                    # optional
+      zuliprc: /etc/gpu-fleet/zuliprc         # the Zulip key lives here and nowhere else
+      stream: agent-hub
+      topics: {gpu: alerts-gpu, inference: alerts-gpu, infra: alerts-infra}  # category → topic
+      default_topic: gpu-fleet                # alerts whose category has no topic (default)
+    replica_id: central-1                     # default: this machine's hostname
+    workers: 4                                # threads that run playbooks
+    retention_days: 30                        # how long the journal keeps finished runs
+    limits: {max_concurrent_runs: 4, max_runs_per_hour: 30}   # fleet-wide caps
+    lock_ttl_seconds: 900                     # a dead replica's target lock expires after this
+
+Relative paths are taken from the config file's directory. Unknown keys are refused (a typo
+must stop the start, not be ignored), and every problem is reported at once, one line each:
+`remediator.yaml: auth.bearer_token_file: no such file`.
+
+Secrets never sit in the YAML: a key like `token:` or `password:` is refused ("secrets come
+from files"), and so is a password inside the journal URL (libpq reads it from a passfile:
+`postgresql://remediator@db/journal?passfile=/etc/gpu-fleet/pgpass`). Secret files are checked
+at load (exist, readable, not empty); their content is read by `read_secret` and never logged.
+The admin secret must differ from the webhook's (not the same file, not the same content):
+Alertmanager's credentials, which sit in its own config, must not open the admin API.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import configparser
+import hashlib
+import hmac
+import ipaddress
+import os
+import re
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
+
+import yaml
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError
+
+from exporter.roster import DEFAULT_ROSTER_PATH
+from exporter.yamlfile import load_strict
+
+DEFAULT_LISTEN = "127.0.0.1:9095"
+DEFAULT_JOURNAL = "sqlite:////var/lib/gpu-fleet/journal.db"
+DEFAULT_PROMETHEUS_URL = "http://127.0.0.1:9090"
+REALM = "gpu-fleet-remediator"
+
+# Keys that would put a secret inline; each is answered with the file key to use instead.
+_INLINE_SECRET_KEYS = {
+    "token": "bearer_token_file",
+    "bearer_token": "bearer_token_file",
+    "password": "password_file",
+    "secret": "a *_file key",
+    "api_key": "a *_file key",
+    "key": "a *_file key",
+    "credentials": "a *_file key",
+}
+# Zulip's limits (zulip/zerver/models: MAX_TOPIC_NAME_LENGTH, MAX_NAME_LENGTH of a stream).
+_ZULIP_NAME_MAX = 60
+# RFC 6750's b64token: what a bearer token in an `Authorization` header can consist of.
+_BEARER_TOKEN = re.compile(r"^[A-Za-z0-9\-._~+/]+=*$")
+_REPLICA_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+_LABEL_VALUE = re.compile(r"^[A-Za-z0-9_.-]{1,63}$")
+# RFC 1123 host names, as in the roster.
+_DNS_LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_HOSTNAME = re.compile(rf"^(?=.{{1,253}}$){_DNS_LABEL}(\.{_DNS_LABEL})*$")
+
+
+class ConfigError(Exception):
+    """The config cannot be used; one line per problem: `FILE: key.path: message`."""
+
+
+# --- key paths ------------------------------------------------------------------------------
+
+
+def key_path(loc: tuple[int | str, ...]) -> str:
+    """`("playbooks", 2, "steps")` → `playbooks[2].steps`; `(top level)` for `()`."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out or "(top level)"
+
+
+def validation_problems(
+    exc: ValidationError, prefix: tuple[int | str, ...] = ()
+) -> list[tuple[str, str]]:
+    """`(key path, message)` for every error of a pydantic `ValidationError`.
+
+    `prefix` is prepended to each location (a nested model validated on its own). Unknown keys
+    that would hold a secret inline are answered with "secrets come from files".
+    """
+    problems = []
+    for err in exc.errors():
+        loc = (*prefix, *err["loc"])
+        message = err["msg"]
+        if err["type"] == "extra_forbidden":
+            last = loc[-1] if loc else ""
+            if isinstance(last, str) and last in _INLINE_SECRET_KEYS:
+                message = (
+                    "secrets come from files, never inline in YAML: "
+                    f"use {_INLINE_SECRET_KEYS[last]}"
+                )
+            else:
+                message = "unknown key"
+        elif err["type"] == "missing":
+            message = "required key is missing"
+        problems.append((key_path(loc), message.removeprefix("Value error, ")))
+    return problems
+
+
+def yaml_problem(exc: yaml.YAMLError) -> str:
+    """A YAML error on one line (PyYAML's own message spans several, quoting the source)."""
+    if isinstance(exc, yaml.MarkedYAMLError) and exc.problem:
+        mark = exc.problem_mark
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        context = f"{exc.context}: " if exc.context else ""
+        return f"not valid YAML{where}: {context}{exc.problem}"
+    return "not valid YAML: " + " ".join(str(exc).split())
+
+
+# --- files ----------------------------------------------------------------------------------
+
+
+def _base_dir(info: ValidationInfo) -> Path:
+    context = info.context or {}
+    base = context.get("base_dir")
+    return Path(base) if base is not None else Path.cwd()
+
+
+def _resolve(value: Path, info: ValidationInfo) -> Path:
+    # Relative to the config file, not the working directory of whoever starts the service.
+    return value if value.is_absolute() else _base_dir(info) / value
+
+
+def _readable_text(path: Path) -> str:
+    """The file's text; `ValueError` with the reason (never the content) otherwise."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ValueError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise ValueError(f"{path}: is a directory, not a file") from None
+    except PermissionError:
+        raise ValueError(f"{path}: not readable by this user (uid {os.getuid()})") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not UTF-8 text") from None
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read: {exc.strerror or exc}") from None
+
+
+def read_secret(path: Path) -> str:
+    """A secret file's content without surrounding whitespace; `ConfigError` if unusable.
+
+    The message names the file and the reason, never the content.
+    """
+    try:
+        value = _readable_text(path).strip()
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if not value:
+        raise ConfigError(f"{path}: is empty")
+    return value
+
+
+def _secret_file(value: Path, info: ValidationInfo) -> Path:
+    path = _resolve(value, info)
+    text = _readable_text(path).strip()
+    if not text:
+        raise ValueError(f"{path}: is empty")
+    if "\n" in text:
+        raise ValueError(f"{path}: must hold one line (the secret), not several")
+    return path
+
+
+def _bearer_token_file(value: Path, info: ValidationInfo) -> Path:
+    path = _secret_file(value, info)
+    if not _BEARER_TOKEN.match(_readable_text(path).strip()):
+        raise ValueError(
+            f"{path}: a bearer token may hold only letters, digits and -._~+/ "
+            "(and trailing =), or no client can send it"
+        )
+    return path
+
+
+def _readable_file(value: Path, info: ValidationInfo) -> Path:
+    path = _resolve(value, info)
+    if not path.is_file():
+        raise ValueError(f"{path}: no such file")
+    if not os.access(path, os.R_OK):
+        raise ValueError(f"{path}: not readable by this user (uid {os.getuid()})")
+    return path
+
+
+def _directory(value: Path, info: ValidationInfo) -> Path:
+    path = _resolve(value, info)
+    if not path.is_dir():
+        raise ValueError(f"{path}: no such directory")
+    if not os.access(path, os.R_OK | os.X_OK):
+        raise ValueError(f"{path}: not readable by this user (uid {os.getuid()})")
+    return path
+
+
+def _zuliprc_file(value: Path, info: ValidationInfo) -> Path:
+    path = _resolve(value, info)
+    text = _readable_text(path)
+    parser = configparser.ConfigParser(interpolation=None)
+    try:
+        parser.read_string(text, source=str(path))
+    except configparser.Error as exc:
+        # configparser quotes the offending line, which may be the key: say where, not what.
+        line = getattr(exc, "lineno", None)
+        where = f" (line {line})" if line else ""
+        raise ValueError(f"{path}: not a zuliprc file{where}: expected an [api] section") from None
+    if not parser.has_section("api"):
+        raise ValueError(f"{path}: has no [api] section (email, key, site)")
+    missing = [k for k in ("email", "key", "site") if not parser.get("api", k, fallback="")]
+    if missing:
+        raise ValueError(f"{path}: [api] lacks {', '.join(missing)}")
+    site = urlsplit(parser.get("api", "site"))
+    if site.scheme not in ("http", "https") or not site.hostname:
+        raise ValueError(f"{path}: [api] site must be an http:// or https:// URL")
+    return path
+
+
+SecretFile = Annotated[Path, AfterValidator(_secret_file)]
+BearerTokenFile = Annotated[Path, AfterValidator(_bearer_token_file)]
+ReadableFile = Annotated[Path, AfterValidator(_readable_file)]
+Directory = Annotated[Path, AfterValidator(_directory)]
+ZuliprcFile = Annotated[Path, AfterValidator(_zuliprc_file)]
+
+
+# --- models ---------------------------------------------------------------------------------
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class BasicAuthSettings(_Strict):
+    """Basic auth: a user name in the YAML, the password in a file."""
+
+    username: str = Field(min_length=1, max_length=200)
+    password_file: SecretFile
+
+    @field_validator("username")
+    @classmethod
+    def _no_colon(cls, value: str) -> str:
+        # RFC 7617: the user-id ends at the first colon; one inside could never match.
+        if ":" in value or value != value.strip():
+            raise ValueError("must not contain ':' or surrounding spaces")
+        return value
+
+
+class AuthSettings(_Strict):
+    """Credentials clients must present: a bearer token or basic auth, exactly one."""
+
+    bearer_token_file: BearerTokenFile | None = None
+    basic_auth: BasicAuthSettings | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> AuthSettings:
+        if (self.bearer_token_file is None) == (self.basic_auth is None):
+            raise ValueError("give exactly one of bearer_token_file, basic_auth")
+        return self
+
+    def secret_file(self) -> Path:
+        """The file holding the secret (the token, or the basic-auth password)."""
+        if self.basic_auth is not None:
+            return self.basic_auth.password_file
+        assert self.bearer_token_file is not None
+        return self.bearer_token_file
+
+
+class Limits(_Strict):
+    """Fleet-wide caps on playbook runs, over all replicas."""
+
+    max_concurrent_runs: int = Field(default=4, ge=1, le=1000)
+    max_runs_per_hour: int = Field(default=30, ge=1, le=100_000)
+
+
+class ZulipSettings(_Strict):
+    """Where reports go: a Zulip stream, the topic chosen by the alert's `category` label."""
+
+    zuliprc: ZuliprcFile
+    stream: str = Field(min_length=1, max_length=_ZULIP_NAME_MAX)
+    topics: dict[str, Annotated[str, Field(min_length=1, max_length=_ZULIP_NAME_MAX)]] = {}
+    default_topic: str = Field(default="gpu-fleet", min_length=1, max_length=_ZULIP_NAME_MAX)
+
+    @field_validator("topics")
+    @classmethod
+    def _categories(cls, value: dict[str, str]) -> dict[str, str]:
+        for category in value:
+            if not _LABEL_VALUE.match(category):
+                raise ValueError(f"category {category!r} is not a plain label value")
+        return value
+
+
+def parse_listen(value: str) -> tuple[str, int]:
+    """`host:port` or `[v6]:port` → `(host, port)`; raises `ValueError`."""
+    host, sep, port_text = value.rpartition(":")
+    if not sep or not host:
+        raise ValueError("must be host:port or [v6]:port (the host is required)")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise ValueError(f"{host!r} is not an IPv6 address") from None
+    else:
+        try:
+            ipaddress.IPv4Address(host)
+        except ValueError:
+            if not _HOSTNAME.match(host):
+                raise ValueError(f"{host!r} is not an IP address or a host name") from None
+    # Port 0 lets the kernel pick one (tests); the server reports the port it bound.
+    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        raise ValueError(f"port {port_text!r} must be a number from 0 to 65535")
+    return host, int(port_text)
+
+
+class RemediatorConfig(_Strict):
+    """The whole config file, validated."""
+
+    listen: str = DEFAULT_LISTEN
+    roster: ReadableFile = Field(default=DEFAULT_ROSTER_PATH, validate_default=True)
+    journal: str = DEFAULT_JOURNAL
+    auth: AuthSettings
+    admin: AuthSettings
+    prometheus_url: str = DEFAULT_PROMETHEUS_URL
+    playbooks_dir: Directory | None = None
+    dry_run: bool = False
+    zulip: ZulipSettings | None = None
+    replica_id: str = Field(default_factory=socket.gethostname, validate_default=True)
+    workers: int = Field(default=4, ge=1, le=64)
+    retention_days: int = Field(default=30, ge=1, le=3650)
+    limits: Limits = Limits()
+    lock_ttl_seconds: float = Field(default=900.0, ge=10, le=86400)
+
+    @field_validator("listen")
+    @classmethod
+    def _listen(cls, value: str) -> str:
+        parse_listen(value)
+        return value
+
+    @field_validator("journal")
+    @classmethod
+    def _journal(cls, value: str) -> str:
+        try:
+            url = make_url(value)
+        except ArgumentError:
+            raise ValueError("not a SQLAlchemy URL (sqlite:////path or postgresql://…)") from None
+        backend = url.get_backend_name()
+        if backend not in ("sqlite", "postgresql"):
+            raise ValueError(f"backend {backend!r}: the journal runs on sqlite or postgresql")
+        if url.password is not None:
+            raise ValueError(
+                "secrets come from files, never inline in YAML: drop the password from the URL "
+                "and give libpq a passfile (`?passfile=/etc/gpu-fleet/pgpass` or ~/.pgpass)"
+            )
+        if backend == "sqlite" and url.database in (None, "", ":memory:"):
+            raise ValueError(
+                "a SQLite journal needs a file (sqlite:////var/lib/…): it must survive a restart"
+            )
+        return value
+
+    @field_validator("prometheus_url")
+    @classmethod
+    def _prometheus_url(cls, value: str) -> str:
+        parts = urlsplit(value)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("must be an http:// or https:// URL with a host")
+        if parts.username is not None or parts.password is not None:
+            raise ValueError(
+                "secrets come from files, never inline in YAML: no credentials in the URL"
+            )
+        return value.rstrip("/")
+
+    @field_validator("replica_id")
+    @classmethod
+    def _replica_id(cls, value: str) -> str:
+        if not _REPLICA_ID.match(value):
+            raise ValueError(
+                f"{value!r}: use letters, digits, '_', '.', '-' (set replica_id when the "
+                "hostname is not such a name)"
+            )
+        return value
+
+    def listen_address(self) -> tuple[str, int]:
+        """`listen` as `(host, port)`."""
+        return parse_listen(self.listen)
+
+
+# --- loading --------------------------------------------------------------------------------
+
+
+def _same_secret_problem(data: Mapping[str, Any], base_dir: Path) -> str | None:
+    """Why `admin` may not be used with `auth` (same file or same secret), or None."""
+    context = {"base_dir": base_dir}
+    try:
+        webhook = AuthSettings.model_validate(data.get("auth"), context=context)
+        admin = AuthSettings.model_validate(data.get("admin"), context=context)
+    except ValidationError:
+        return None  # each section's own problems are reported by the full validation
+    webhook_file, admin_file = webhook.secret_file(), admin.secret_file()
+    try:
+        same_file = os.path.samefile(webhook_file, admin_file)
+    except OSError:
+        same_file = webhook_file == admin_file
+    if same_file:
+        return (
+            f"uses the same file as auth ({admin_file}): the admin API needs its own secret, "
+            "not Alertmanager's"
+        )
+    try:
+        webhook_secret, admin_secret = read_secret(webhook_file), read_secret(admin_file)
+    except ConfigError:
+        return None  # the file vanished in between: the next start reports it
+    if _same(webhook_secret, admin_secret):
+        return (
+            f"its secret ({admin_file}) is the same as auth's ({webhook_file}): the admin API "
+            "needs its own secret, not Alertmanager's"
+        )
+    return None
+
+
+def load_config(path: Path) -> RemediatorConfig:
+    """Read and validate the config file; `ConfigError` lists every problem, one per line."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ConfigError(f"{path}: cannot read: {reason}") from None
+    try:
+        data = load_strict(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: {yaml_problem(exc)}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: (top level): must be a mapping of config keys")
+    base_dir = path.parent.resolve()
+    problems: list[tuple[str, str]] = []
+    config: RemediatorConfig | None = None
+    try:
+        config = RemediatorConfig.model_validate(data, context={"base_dir": base_dir})
+    except ValidationError as exc:
+        problems.extend(validation_problems(exc))
+    same = _same_secret_problem(data, base_dir)
+    if same is not None:
+        problems.append(("admin", same))
+    if problems or config is None:
+        raise ConfigError("\n".join(f"{path}: {where}: {message}" for where, message in problems))
+    return config
+
+
+# --- credentials ----------------------------------------------------------------------------
+
+
+def _same(a: str, b: str) -> bool:
+    """Constant-time equality of two secrets, their lengths included.
+
+    `hmac.compare_digest` takes time independent of the contents but not of the lengths;
+    comparing SHA-256 digests (always 32 bytes) hides the length of the secret too.
+    """
+    digest_a = hashlib.sha256(a.encode("utf-8", "surrogatepass")).digest()
+    digest_b = hashlib.sha256(b.encode("utf-8", "surrogatepass")).digest()
+    return hmac.compare_digest(digest_a, digest_b)
+
+
+@dataclass(frozen=True)
+class Credential:
+    """One secret that a client must present in its `Authorization` header.
+
+    `secret` is the bearer token or the basic-auth password; it is left out of `repr` so a
+    log line or a traceback that shows the object shows no secret.
+    """
+
+    scheme: Literal["bearer", "basic"]
+    source: Path
+    username: str | None = None
+    secret: str = field(default="", repr=False)
+
+    @property
+    def www_authenticate(self) -> str:
+        """The `WWW-Authenticate` value of a 401 answer for this credential."""
+        if self.scheme == "bearer":
+            return f'Bearer realm="{REALM}"'
+        return f'Basic realm="{REALM}", charset="UTF-8"'
+
+    def check_authorization_header(self, value: str | None) -> bool:
+        """Whether an `Authorization` header value carries this credential.
+
+        Secrets are compared in constant time; for basic auth both the user name and the
+        password are always compared, so the time does not tell which one was wrong.
+        """
+        if not value or not self.secret:
+            return False
+        scheme, _, rest = value.strip().partition(" ")
+        rest = rest.strip()
+        if self.scheme == "bearer":
+            return scheme.lower() == "bearer" and _same(rest, self.secret)
+        if scheme.lower() != "basic":
+            return False
+        try:
+            decoded = base64_decode(rest)
+        except ValueError:
+            return False
+        user, sep, password = decoded.partition(":")
+        if not sep:
+            return False
+        user_ok = _same(user, self.username or "")
+        password_ok = _same(password, self.secret)
+        return user_ok & password_ok
+
+
+def base64_decode(text: str) -> str:
+    """Strict base64 to UTF-8 text; `ValueError` for anything else."""
+    try:
+        return base64.b64decode(text, validate=True).decode("utf-8")
+    except (binascii.Error, UnicodeDecodeError):
+        raise ValueError("not base64 of UTF-8 text") from None
+
+
+def credential_from(settings: AuthSettings) -> Credential:
+    """The credential an `auth`/`admin` section describes, its secret read from the file."""
+    if settings.basic_auth is not None:
+        basic = settings.basic_auth
+        return Credential(
+            "basic", basic.password_file, basic.username, read_secret(basic.password_file)
+        )
+    assert settings.bearer_token_file is not None
+    return Credential(
+        "bearer", settings.bearer_token_file, None, read_secret(settings.bearer_token_file)
+    )
+
+
+@dataclass(frozen=True)
+class Secrets:
+    """The credentials of the two endpoints: Alertmanager's webhook and the admin API."""
+
+    webhook: Credential
+    admin: Credential
+
+
+def load_secrets(config: RemediatorConfig) -> Secrets:
+    """Read both secrets; `ConfigError` if a file became unusable since `load_config`."""
+    return Secrets(webhook=credential_from(config.auth), admin=credential_from(config.admin))

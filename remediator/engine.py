@@ -1,0 +1,429 @@
+"""The engine: workers that take journaled runs, decide, act, verify and journal every step.
+
+A run's life, all of it in the journal (so replicas agree and a crash loses nothing):
+`pending` (the webhook journaled a new firing alert) → `claimed` by one worker of one replica →
+a decision: `notify_only` (no playbook), `rejected` (target not in the roster), `paused`,
+`maintenance`, `breaker_open`, `cooldown`, `rate_limited`, `dry_run`, `locked` (another run
+holds the target) — or `run`: `running`, steps one by one, verification, then `done` with an
+outcome (`healed`, `not_healed`, `failed`, `done_unverified`). A run that was executing when
+the process died is marked `interrupted` at the next start and reported, never re-run blindly.
+
+The engine does not care which kind of action a step is: actions are looked up by name in the
+registry and run with typed params filled from the roster-resolved target only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+
+from exporter.roster import Roster
+from remediator.actions.registry import (
+    ActionContext,
+    StepResult,
+    get_action,
+    render_params,
+    run_action,
+)
+from remediator.alerts import Alert
+from remediator.journal.store import (
+    AlertRecord,
+    Journal,
+    JournalError,
+    RunRecord,
+    RunStateError,
+)
+from remediator.metrics import RemediatorMetrics
+from remediator.playbooks.loader import Rejection, Target, match_playbook, resolve_target
+from remediator.playbooks.model import Playbook
+from remediator.policy import Limits, judge
+from remediator.verify import promql_holds
+
+log = logging.getLogger(__name__)
+
+HEALED = ("healed", "done_unverified")
+
+
+def _utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """How the engine works; from the config."""
+
+    workers: int
+    limits: Limits
+    dry_run: bool
+    prometheus_url: str
+    lock_ttl: timedelta
+    report_topic: str = "alerts-infra"  # where interruptions and escalations are reported
+    poll_seconds: float = 1.0
+    heartbeat_seconds: float = 5.0
+
+
+def alert_of(record: AlertRecord) -> Alert:
+    """The journaled alert as the playbooks see it."""
+    return Alert(
+        status="firing" if record.status == "firing" else "resolved",
+        labels=record.labels,
+        annotations=record.annotations,
+        startsAt=record.starts_at,
+        generatorURL=record.generator_url,
+        fingerprint=record.fingerprint,
+    )
+
+
+class Engine:
+    """Worker threads over the journal's queue."""
+
+    def __init__(
+        self,
+        journal: Journal,
+        roster: Roster,
+        playbooks: list[Playbook],
+        settings: EngineSettings,
+        *,
+        metrics: RemediatorMetrics,
+        clock: Callable[[], datetime] = _utcnow,
+    ) -> None:
+        self.journal = journal
+        self.roster = roster
+        self.playbooks = playbooks
+        self.settings = settings
+        self.metrics = metrics
+        self._clock = clock
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._active: set[int] = set()
+        self._active_lock = threading.Lock()
+
+    # -- life cycle ---------------------------------------------------------------------------
+
+    def recover(self) -> list[int]:
+        """Mark this replica's runs that were executing at a crash `interrupted`; report them."""
+        interrupted = self.journal.recover_interrupted()
+        for run_id in interrupted:
+            run = self.journal.get_run(run_id)
+            playbook = run.playbook if run and run.playbook else "unknown"
+            self.metrics.runs.labels(playbook, "interrupted").inc()
+            self.journal.enqueue_report(
+                self.settings.report_topic,
+                f"**Run {run_id} interrupted**: the remediator stopped while `{playbook}` was "
+                f"acting on `{run.target if run else '?'}`. It is not repeated; check the target.",
+                run_id=run_id,
+            )
+            log.warning("run %d (%s) was interrupted by a restart; not repeated", run_id, playbook)
+        return interrupted
+
+    def start(self) -> None:
+        """Recover from a crash, then start the workers and the heartbeat."""
+        self.recover()
+        for index in range(self.settings.workers):
+            thread = threading.Thread(target=self._work, name=f"engine-{index}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        beat = threading.Thread(target=self._heartbeat, name="engine-heartbeat", daemon=True)
+        beat.start()
+        self._threads.append(beat)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop taking work; wait (bounded) for runs in progress to finish their step."""
+        self._stop.set()
+        self._wake.set()
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+    def wake(self) -> None:
+        """Tell the workers that new runs were journaled."""
+        self._wake.set()
+
+    def _work(self) -> None:
+        while not self._stop.is_set():
+            try:
+                worked = self.process_one()
+            except JournalError as exc:
+                log.error("engine: journal unavailable: %s", exc)
+                worked = False
+            if not worked:
+                self._wake.wait(self.settings.poll_seconds)
+                self._wake.clear()
+
+    def _heartbeat(self) -> None:
+        # Another replica's recovery must be able to tell a live run from a dead one.
+        while not self._stop.wait(self.settings.heartbeat_seconds):
+            with self._active_lock:
+                active = list(self._active)
+            for run_id in active:
+                try:
+                    self.journal.heartbeat(run_id)
+                except JournalError as exc:
+                    log.warning("heartbeat of run %d failed: %s", run_id, exc)
+
+    # -- one run ------------------------------------------------------------------------------
+
+    def process_one(self) -> bool:
+        """Claim and handle one run; False when the queue is empty (or the fleet is busy)."""
+        if self.journal.count_running() >= self.settings.limits.max_concurrent_runs:
+            return False  # the fleet-wide cap: leave the queue to wait, don't churn claims
+        run = self.journal.claim_next_run()
+        if run is None:
+            return False
+        try:
+            self.handle(run)
+        except JournalError:
+            raise
+        except Exception as exc:
+            log.exception("run %d failed in the engine", run.id)
+            # Already decided or finished before the error (RunStateError): keep that.
+            with contextlib.suppress(RunStateError):
+                self.journal.finish_run(
+                    run.id, outcome="failed", verification=f"engine error: {exc}"
+                )
+            self.metrics.runs.labels(run.playbook or "unknown", "failed").inc()
+        return True
+
+    def process_all(self) -> int:
+        """Handle queued runs until none is left (for `replay` and tests); returns how many."""
+        count = 0
+        while self.process_one():
+            count += 1
+        return count
+
+    def _decide(self, run: RunRecord, decision: str, reason: str, **kw: str | None) -> None:
+        self.journal.decide(run.id, decision, reason, **kw)
+        self.metrics.runs.labels(kw.get("playbook") or "none", decision).inc()
+        log.info("run %d: %s (%s)", run.id, decision, reason)
+
+    def handle(self, run: RunRecord) -> None:
+        """Decide what a claimed run does, and do it."""
+        alert = alert_of(run.alert)
+        playbook = match_playbook(self.playbooks, alert)
+        if playbook is None:
+            self._decide(run, "notify_only", f"no playbook handles {alert.alertname or 'it'}")
+            return
+        target = resolve_target(playbook, alert, self.roster)
+        if isinstance(target, Rejection):
+            self._decide(run, "rejected", target.reason, playbook=playbook.name)
+            return
+        now = self._clock()
+        verdict = judge(
+            self.journal,
+            playbook,
+            target_key=target.key,
+            host=target.host,
+            limits=self.settings.limits,
+            dry_run=self.settings.dry_run,
+            now=now,
+        )
+        if verdict.decision == "dry_run":
+            self._dry_run(run, playbook, target, verdict.reason)
+            return
+        if not verdict.may_act:
+            self._decide(run, verdict.decision, verdict.reason, playbook=playbook.name,
+                         target=target.key)  # fmt: skip
+            return
+        if self._recurred(playbook, target.key, now):
+            self._decide(
+                run,
+                "breaker_open",
+                "the alert keeps coming back after heals: acting stopped, people called",
+                playbook=playbook.name,
+                target=target.key,
+            )
+            return
+        if self.journal.count_running() >= self.settings.limits.max_concurrent_runs:
+            # Not a refusal: the run waits for a free place (another worker will claim it).
+            self.journal.requeue(run.id, "fleet-wide concurrency cap reached")
+            self._stop.wait(self.settings.poll_seconds)
+            return
+        if not self.journal.try_lock(target.key, run.id, self.settings.lock_ttl):
+            self._decide(run, "locked", f"another run is acting on {target.key}",
+                         playbook=playbook.name, target=target.key)  # fmt: skip
+            return
+        try:
+            self._execute(run, playbook, target)
+        finally:
+            self.journal.release_lock(target.key, run.id)
+
+    def _recurred(self, playbook: Playbook, target_key: str, now: datetime) -> bool:
+        """Count an alert that came back within the window after a heal; True if it opened.
+
+        A heal resets the breaker's count, so a count of zero with a recent finished run means
+        that run healed, and the alert is back anyway: that heal did not stick.
+        """
+        until = self.journal.cooldown_until(target_key, playbook.name)
+        breaker = playbook.policy.breaker
+        if until is None or until > now:
+            return False  # never ran, or still cooling down (judge() reports that)
+        if self.journal.breaker(target_key, playbook.name).failures > 0:
+            return False  # the last run did not heal: record_breaker_outcome counted it
+        last_finished = until - timedelta(seconds=playbook.policy.cooldown_seconds)
+        if now - last_finished > timedelta(seconds=breaker.window_seconds):
+            return False
+        opened = self.journal.record_breaker_outcome(
+            target_key,
+            playbook.name,
+            healed=False,
+            max_failures=breaker.max_failures,
+            window=timedelta(seconds=breaker.window_seconds),
+        )
+        if opened:
+            self._escalate(playbook, target_key, "the alert keeps coming back after heals")
+        return opened
+
+    def _dry_run(self, run: RunRecord, playbook: Playbook, target: Target, reason: str) -> None:
+        now = self._clock()
+        for index, step in enumerate(playbook.steps):
+            self.journal.record_step(
+                run.id,
+                index,
+                step.action,
+                render_params(step.params, target),
+                started_at=now,
+                finished_at=now,
+                result="skipped",
+                output="dry-run: would run",
+            )
+        self._decide(run, "dry_run", reason, playbook=playbook.name, target=target.key)
+
+    def _execute(self, run: RunRecord, playbook: Playbook, target: Target) -> None:
+        journal = self.journal
+        journal.start_run(run.id, playbook=playbook.name, target=target.key)
+        with self._active_lock:
+            self._active.add(run.id)
+        started = time.monotonic()
+        cancel = threading.Event()
+        deadline = started + playbook.policy.timeout_seconds
+        outcome = "done_unverified"
+        verification = "no verification configured"
+        try:
+            failed_at = self._steps(run, playbook, target, cancel, deadline)
+            if failed_at is not None:
+                outcome, verification = "failed", f"step {failed_at} failed; verification skipped"
+            elif playbook.verify is not None:
+                healed, verification = self._verify(playbook, target, cancel, deadline)
+                outcome = "healed" if healed else "not_healed"
+        finally:
+            with self._active_lock:
+                self._active.discard(run.id)
+        now = self._clock()
+        journal.finish_run(run.id, outcome=outcome, verification=verification)
+        journal.set_cooldown(
+            target.key, playbook.name, now + timedelta(seconds=playbook.policy.cooldown_seconds)
+        )
+        breaker = playbook.policy.breaker
+        opened = journal.record_breaker_outcome(
+            target.key,
+            playbook.name,
+            healed=outcome in HEALED,
+            max_failures=breaker.max_failures,
+            window=timedelta(seconds=breaker.window_seconds),
+        )
+        if opened:
+            self._escalate(playbook, target.key, f"{breaker.max_failures} runs did not heal")
+        self.metrics.runs.labels(playbook.name, outcome).inc()
+        self.metrics.run_duration.labels(playbook.name).observe(time.monotonic() - started)
+        log.info("run %d: %s on %s: %s", run.id, playbook.name, target.key, outcome)
+
+    def _steps(
+        self,
+        run: RunRecord,
+        playbook: Playbook,
+        target: Target,
+        cancel: threading.Event,
+        deadline: float,
+    ) -> int | None:
+        """Run the steps in order; the index of the first that failed, or None."""
+        for index, step in enumerate(playbook.steps):
+            registered = get_action(step.action)
+            params = registered.params_model.model_validate(render_params(step.params, target))
+            shown = params.model_dump(mode="json")
+            begun = self._clock()
+            self.journal.record_step(
+                run.id, index, step.action, shown, started_at=begun, finished_at=None,
+                result="running", output="",
+            )  # fmt: skip
+            timeout = min(step.timeout_seconds, max(0.0, deadline - time.monotonic()))
+            context = ActionContext(
+                target=target,
+                prometheus_url=self.settings.prometheus_url,
+                deadline=time.monotonic() + timeout,
+                cancel=cancel,
+                dry_run=False,
+            )
+            result: StepResult = run_action(context, step.action, params, timeout)
+            self.journal.record_step(
+                run.id,
+                index,
+                step.action,
+                shown,
+                started_at=begun,
+                finished_at=self._clock(),
+                result="ok" if result.ok else "failed",
+                output=result.output,
+            )
+            if not result.ok:
+                for later, rest in enumerate(playbook.steps[index + 1 :], start=index + 1):
+                    self.journal.record_step(
+                        run.id, later, rest.action, render_params(rest.params, target),
+                        started_at=self._clock(), finished_at=self._clock(), result="skipped",
+                        output=f"not run: step {index} failed",
+                    )  # fmt: skip
+                return index
+        return None
+
+    def _verify(
+        self, playbook: Playbook, target: Target, cancel: threading.Event, deadline: float
+    ) -> tuple[bool, str]:
+        verify = playbook.verify
+        assert verify is not None
+        details = []
+        healed = True
+        if verify.promql:
+            query = target.fill(verify.promql)
+            within = min(verify.within_seconds, max(0.0, deadline - time.monotonic()))
+            held = promql_holds(
+                self.settings.prometheus_url,
+                query,
+                within_seconds=within,
+                interval_seconds=verify.interval_seconds,
+                cancel=cancel,
+            )
+            healed = healed and held.ok
+            details.append(f"PromQL `{query}`: {'held' if held.ok else 'did not hold'} "
+                           f"({held.detail})")  # fmt: skip
+        if verify.probe is not None:
+            probe = verify.probe
+            params = get_action(probe.action).params_model.model_validate(
+                render_params(probe.params, target)
+            )
+            timeout = min(probe.timeout_seconds, max(0.0, deadline - time.monotonic()))
+            context = ActionContext(
+                target=target,
+                prometheus_url=self.settings.prometheus_url,
+                deadline=time.monotonic() + timeout,
+                cancel=cancel,
+                dry_run=False,
+            )
+            result = run_action(context, probe.action, params, timeout)
+            healed = healed and result.ok
+            details.append(f"probe {probe.action}: {'ok' if result.ok else 'failed'} "
+                           f"({result.output})")  # fmt: skip
+        return healed, "; ".join(details)
+
+    def _escalate(self, playbook: Playbook, target_key: str, why: str) -> None:
+        detail = (
+            f"circuit breaker opened for {playbook.name} on {target_key}: {why}. "
+            "Acting on this target stopped; a person must look."
+        )
+        self.journal.add_event("escalation", detail, playbook=playbook.name, target=target_key)
+        self.metrics.escalations.labels(playbook.name).inc()
+        log.error("%s", detail)

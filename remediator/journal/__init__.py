@@ -1,0 +1,1 @@
+"""The journal: everything replicas must agree on, in SQLite or PostgreSQL."""

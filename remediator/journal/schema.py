@@ -1,0 +1,305 @@
+"""The journal's tables (SQLAlchemy Core), its schema version, and the migrations to it.
+
+One schema for SQLite and PostgreSQL, so nothing here is dialect-specific except what the
+column types below hide:
+
+- times are `UTCDateTime`: timezone-aware UTC datetimes in Python; `timestamptz` on
+  PostgreSQL, a fixed-width UTC text on SQLite (SQLite has no time type, and SQLAlchemy's
+  text form has a constant width, so text order is time order and the unique key
+  (fingerprint, starts_at) compares equal instants as equal);
+- JSON is `JSONText`: a JSON document in a text column (labels, annotations, step params);
+  nothing queries inside it, and plain text behaves the same on both databases.
+
+`schema_version` holds one row per applied migration. `upgrade()` brings a database to
+`SCHEMA_VERSION` and refuses one that is newer: an older remediator must not write to a
+schema it does not know (a rolling upgrade runs the new version's migration first).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Dialect
+
+SCHEMA_VERSION = 1
+"""The version this code reads and writes; `upgrade()` migrates older ones up to it."""
+
+# SQLite's rowid alias must be spelled INTEGER PRIMARY KEY; PostgreSQL gets a 64-bit identity.
+_ID = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
+
+
+class UTCDateTime(sa.TypeDecorator[datetime]):
+    """A timezone-aware UTC datetime on both databases (a naive one is taken as UTC)."""
+
+    impl = sa.DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        """Normalise to UTC; SQLite stores it naive (its text form has no zone)."""
+        if value is None:
+            return None
+        value = value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        """Aware UTC whatever the database or its session time zone returned."""
+        if value is None:
+            return None
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+class JSONText(sa.TypeDecorator[Any]):
+    """A JSON document stored as text (keys sorted, so equal documents are equal text)."""
+
+    impl = sa.Text()
+    cache_ok = True
+
+    def process_bind_param(self, value: Any, dialect: Dialect) -> str | None:
+        """Serialise; values JSON cannot hold (a Path, a datetime) are written as strings."""
+        if value is None:
+            return None
+        # Escaped, so a NUL in a label becomes the six characters \u0000, which a
+        # PostgreSQL text column accepts (a raw NUL it refuses).
+        return json.dumps(value, sort_keys=True, default=str, ensure_ascii=True)
+
+    def process_result_value(self, value: str | None, dialect: Dialect) -> Any:
+        """Parse back."""
+        return None if value is None else json.loads(value)
+
+
+metadata = sa.MetaData(
+    # Named constraints, so a later migration can drop or alter them by name on both databases.
+    naming_convention={
+        "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+        "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+        "ck": "ck_%(table_name)s_%(constraint_name)s",
+        "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+        "pk": "pk_%(table_name)s",
+    }
+)
+
+schema_version = sa.Table(
+    "schema_version",
+    metadata,
+    sa.Column("version", sa.Integer, primary_key=True, autoincrement=False),
+    sa.Column("applied_at", UTCDateTime, nullable=False),
+)
+
+notifications = sa.Table(
+    "notifications",
+    metadata,
+    sa.Column("id", _ID, primary_key=True, autoincrement=True),
+    sa.Column("received_at", UTCDateTime, nullable=False, index=True),
+    sa.Column("group_key", sa.Text, nullable=False),
+    sa.Column("receiver", sa.Text, nullable=False),
+    sa.Column("raw", sa.Text, nullable=False),  # the webhook body as received (JSON text)
+)
+
+alerts = sa.Table(
+    "alerts",
+    metadata,
+    sa.Column("id", _ID, primary_key=True, autoincrement=True),
+    sa.Column("fingerprint", sa.Text, nullable=False),
+    sa.Column("starts_at", UTCDateTime, nullable=False),
+    sa.Column("status", sa.String(16), nullable=False),
+    sa.Column("alertname", sa.Text, nullable=False),
+    sa.Column("labels", JSONText, nullable=False),
+    sa.Column("annotations", JSONText, nullable=False),
+    sa.Column("generator_url", sa.Text, nullable=False),
+    sa.Column("first_seen", UTCDateTime, nullable=False),
+    sa.Column("last_seen", UTCDateTime, nullable=False),
+    sa.Column("resolved_at", UTCDateTime, nullable=True),
+    # The notification that first told us; pruning old notifications keeps the alert.
+    sa.Column(
+        "notification_id",
+        _ID,
+        sa.ForeignKey("notifications.id", ondelete="SET NULL"),
+        nullable=True,
+    ),
+    # The dedupe key (DESIGN.md): HA pairs and repeat intervals resend the same occurrence.
+    sa.UniqueConstraint("fingerprint", "starts_at"),
+    sa.CheckConstraint("status IN ('firing', 'resolved')", name="status"),
+    sa.Index(None, "fingerprint", "status"),
+    sa.Index(None, "notification_id"),
+)
+
+RUN_STATES = ("pending", "claimed", "running", "done")
+
+runs = sa.Table(
+    "runs",
+    metadata,
+    sa.Column("id", _ID, primary_key=True, autoincrement=True),
+    sa.Column("alert_id", _ID, sa.ForeignKey("alerts.id", ondelete="CASCADE"), nullable=False),
+    sa.Column("state", sa.String(16), nullable=False),
+    sa.Column("decision", sa.Text, nullable=True),
+    sa.Column("reason", sa.Text, nullable=False, default=""),
+    sa.Column("playbook", sa.Text, nullable=True),
+    sa.Column("target", sa.Text, nullable=True),
+    sa.Column("owner", sa.Text, nullable=True),  # the replica that claimed it
+    sa.Column("created_at", UTCDateTime, nullable=False),
+    sa.Column("claimed_at", UTCDateTime, nullable=True),
+    sa.Column("started_at", UTCDateTime, nullable=True),
+    sa.Column("heartbeat_at", UTCDateTime, nullable=True),
+    sa.Column("finished_at", UTCDateTime, nullable=True),
+    sa.Column("outcome", sa.Text, nullable=True),
+    sa.Column("verification", sa.Text, nullable=True),
+    sa.CheckConstraint("state IN (" + ", ".join(f"'{s}'" for s in RUN_STATES) + ")", name="state"),
+    sa.Index(None, "state", "id"),  # claim: oldest pending first
+    sa.Index(None, "alert_id"),
+    sa.Index(None, "started_at"),  # the hourly cap
+    sa.Index(None, "owner", "state"),  # recovery at start-up
+)
+
+STEP_OUTPUT_MAX_BYTES = 64 * 1024
+"""A step's output is cut to this many bytes of UTF-8 (its head and tail are kept)."""
+
+steps = sa.Table(
+    "steps",
+    metadata,
+    sa.Column("run_id", _ID, sa.ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True),
+    sa.Column("idx", sa.Integer, primary_key=True, autoincrement=False),
+    sa.Column("action", sa.Text, nullable=False),
+    sa.Column("params", JSONText, nullable=False),
+    sa.Column("started_at", UTCDateTime, nullable=False),
+    sa.Column("finished_at", UTCDateTime, nullable=True),
+    sa.Column("result", sa.Text, nullable=False),
+    sa.Column("output", sa.Text, nullable=False),
+)
+
+locks = sa.Table(
+    "locks",
+    metadata,
+    sa.Column("target", sa.Text, primary_key=True),
+    sa.Column("run_id", _ID, nullable=False),
+    sa.Column("owner", sa.Text, nullable=False),
+    sa.Column("acquired_at", UTCDateTime, nullable=False),
+    sa.Column("expires_at", UTCDateTime, nullable=False),
+    # Added to the brief's columns: the lease length, so a heartbeat can renew the lock of a
+    # run that is still alive (a lock is a lease, not a fixed deadline).
+    sa.Column("ttl_seconds", sa.Float, nullable=False),
+)
+
+cooldowns = sa.Table(
+    "cooldowns",
+    metadata,
+    sa.Column("target", sa.Text, primary_key=True),
+    sa.Column("playbook", sa.Text, primary_key=True),
+    sa.Column("until", UTCDateTime, nullable=False),
+)
+
+breakers = sa.Table(
+    "breakers",
+    metadata,
+    sa.Column("target", sa.Text, primary_key=True),
+    sa.Column("playbook", sa.Text, primary_key=True),
+    sa.Column("state", sa.String(16), nullable=False),
+    sa.Column("failures", sa.Integer, nullable=False),
+    sa.Column("window_start", UTCDateTime, nullable=True),
+    sa.Column("opened_at", UTCDateTime, nullable=True),
+    sa.CheckConstraint("state IN ('closed', 'open')", name="state"),
+)
+
+events = sa.Table(
+    "events",
+    metadata,
+    sa.Column("id", _ID, primary_key=True, autoincrement=True),
+    sa.Column("at", UTCDateTime, nullable=False, index=True),
+    sa.Column("kind", sa.Text, nullable=False),
+    sa.Column("run_id", _ID, nullable=True),  # no foreign key: events outlive pruned runs
+    sa.Column("playbook", sa.Text, nullable=True),
+    sa.Column("target", sa.Text, nullable=True),
+    sa.Column("detail", sa.Text, nullable=False),
+    sa.Index(None, "kind", "id"),
+)
+
+settings = sa.Table(
+    "settings",
+    metadata,
+    sa.Column("key", sa.Text, primary_key=True),
+    sa.Column("value", sa.Text, nullable=False),
+)
+
+maintenance = sa.Table(
+    "maintenance",
+    metadata,
+    sa.Column("host", sa.Text, primary_key=True),
+    sa.Column("since", UTCDateTime, nullable=False),
+    sa.Column("reason", sa.Text, nullable=False),
+    sa.Column("by", sa.Text, nullable=False),
+)
+
+OUTBOX_STATES = ("pending", "sending", "sent", "failed")
+
+outbox = sa.Table(
+    "outbox",
+    metadata,
+    sa.Column("id", _ID, primary_key=True, autoincrement=True),
+    sa.Column("created_at", UTCDateTime, nullable=False),
+    sa.Column("topic", sa.Text, nullable=False),
+    sa.Column("content", sa.Text, nullable=False),
+    sa.Column("run_id", _ID, nullable=True),  # no foreign key: a report outlives its run
+    sa.Column("state", sa.String(16), nullable=False),
+    sa.Column("attempts", sa.Integer, nullable=False),
+    sa.Column("next_attempt_at", UTCDateTime, nullable=False),
+    sa.Column("sent_at", UTCDateTime, nullable=True),
+    sa.Column("zulip_message_id", sa.BigInteger, nullable=True),
+    sa.CheckConstraint(
+        "state IN (" + ", ".join(f"'{s}'" for s in OUTBOX_STATES) + ")", name="state"
+    ),
+    sa.Index(None, "state", "next_attempt_at"),
+    sa.Index(None, "created_at"),
+)
+
+
+class NewerSchemaError(Exception):
+    """The database's schema is newer than this code knows."""
+
+    def __init__(self, found: int, known: int) -> None:
+        super().__init__(
+            f"the journal's schema is version {found}, newer than this remediator knows "
+            f"({known}): a newer remediator migrated it; run that version (or restore a "
+            "backup) — an older one must not write to a schema it does not know"
+        )
+        self.found = found
+        self.known = known
+
+
+def _create_v1(conn: Connection) -> None:
+    # Version 1 is the tables above as first released. When a version 2 changes a table, this
+    # step must keep creating the version-1 shape (freeze it here) and `_migrate_to_2` alters it.
+    metadata.create_all(conn, checkfirst=True)
+
+
+MIGRATIONS: dict[int, Callable[[Connection], None]] = {1: _create_v1}
+"""Version N -> the step that migrates a version N-1 database to N (inside one transaction)."""
+
+
+def current_version(conn: Connection) -> int:
+    """The highest applied version; 0 for an empty database."""
+    if not sa.inspect(conn).has_table(schema_version.name):
+        return 0
+    found = conn.execute(sa.select(sa.func.max(schema_version.c.version))).scalar_one_or_none()
+    return int(found or 0)
+
+
+def upgrade(conn: Connection, now: datetime) -> int:
+    """Migrate to `SCHEMA_VERSION` inside the caller's transaction; returns the version.
+
+    The caller serialises concurrent start-ups (an advisory lock on PostgreSQL, `BEGIN
+    IMMEDIATE` on SQLite): both databases run DDL inside a transaction, so two replicas
+    starting together apply each step once, and a failed step leaves nothing half-done.
+    Raises `NewerSchemaError` for a schema newer than this code.
+    """
+    found = current_version(conn)
+    if found > SCHEMA_VERSION:
+        raise NewerSchemaError(found, SCHEMA_VERSION)
+    if found == 0:
+        schema_version.create(conn, checkfirst=True)
+    for version in range(found + 1, SCHEMA_VERSION + 1):
+        MIGRATIONS[version](conn)
+        conn.execute(sa.insert(schema_version).values(version=version, applied_at=now))
+    return SCHEMA_VERSION

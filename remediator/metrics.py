@@ -1,0 +1,124 @@
+"""The remediator's own `/metrics`: webhook requests, runs, queue, breakers, escalations.
+
+Counters count what this replica did; the queue depth, open breakers, pause and maintenance are
+read from the journal at scrape time, so every replica shows the fleet's shared state.
+
+Sample output::
+
+    gpufleet_remediator_webhook_requests_total{code="200"} 412.0
+    gpufleet_remediator_runs_total{outcome="healed",playbook="llama-server-unhealthy"} 3.0
+    gpufleet_remediator_queue_depth 0.0
+    gpufleet_remediator_breaker_open{host="dioscuri",playbook="llama-server-unhealthy",
+                                     server="alpha"} 1.0
+    gpufleet_remediator_escalations_total{playbook="llama-server-unhealthy"} 1.0
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+
+from remediator.journal.store import Journal, JournalError
+
+log = logging.getLogger(__name__)
+
+RUN_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1800, float("inf"))
+
+
+def split_target(key: str) -> tuple[str, str]:
+    """`(host, server)` of a target key (`server/dioscuri/alpha`, `host/x`, `gpu/x/0`)."""
+    parts = key.split("/")
+    host = parts[1] if len(parts) > 1 else ""
+    server = parts[2] if len(parts) > 2 and parts[0] == "server" else ""
+    return host, server
+
+
+class _JournalState:
+    """Gauges read from the journal on every scrape."""
+
+    def __init__(self, journal: Journal) -> None:
+        self._journal = journal
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            depth = self._journal.queue_depth()
+            breakers = self._journal.open_breakers()
+            paused = self._journal.paused()
+            maintenance = self._journal.maintenance()
+        except JournalError as exc:
+            log.warning("metrics: journal unreadable: %s", exc)
+            up = GaugeMetricFamily(
+                "gpufleet_remediator_journal_up", "1 when the journal answered this scrape."
+            )
+            up.add_metric([], 0)
+            yield up
+            return
+        up = GaugeMetricFamily(
+            "gpufleet_remediator_journal_up", "1 when the journal answered this scrape."
+        )
+        up.add_metric([], 1)
+        yield up
+        queue = GaugeMetricFamily(
+            "gpufleet_remediator_queue_depth", "Alerts journaled and waiting for a worker."
+        )
+        queue.add_metric([], depth)
+        yield queue
+        open_ = GaugeMetricFamily(
+            "gpufleet_remediator_breaker_open",
+            "1 while the circuit breaker of a target and playbook is open (acting stopped).",
+            labels=["playbook", "host", "server"],
+        )
+        for target, playbook, _ in breakers:
+            host, server = split_target(target)
+            open_.add_metric([playbook, host, server], 1)
+        yield open_
+        pause = GaugeMetricFamily(
+            "gpufleet_remediator_paused", "1 while all remediation is paused."
+        )
+        pause.add_metric([], 1 if paused else 0)
+        yield pause
+        hosts = GaugeMetricFamily(
+            "gpufleet_remediator_maintenance",
+            "1 for each host in maintenance (nothing runs on it).",
+            labels=["host"],
+        )
+        for host in sorted(maintenance):
+            hosts.add_metric([host], 1)
+        yield hosts
+
+
+class RemediatorMetrics:
+    """The remediator's registry and the counters the web app and the engine update."""
+
+    def __init__(self, journal: Journal) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.webhook_requests = Counter(
+            "gpufleet_remediator_webhook_requests",
+            "Webhook requests by HTTP status code.",
+            ["code"],
+            registry=self.registry,
+        )
+        self.runs = Counter(
+            "gpufleet_remediator_runs",
+            "Runs by playbook and outcome (decisions that ran nothing included).",
+            ["playbook", "outcome"],
+            registry=self.registry,
+        )
+        self.run_duration = Histogram(
+            "gpufleet_remediator_run_duration_seconds",
+            "Time from a run's first step to its verification's end.",
+            ["playbook"],
+            buckets=RUN_BUCKETS,
+            registry=self.registry,
+        )
+        self.escalations = Counter(
+            "gpufleet_remediator_escalations",
+            "Circuit breakers opened: acting stopped and people were called.",
+            ["playbook"],
+            registry=self.registry,
+        )
+        self.registry.register(_JournalState(journal))

@@ -1,0 +1,1 @@
+"""Playbooks: YAML that maps alerts to targets, steps, verification and policy."""

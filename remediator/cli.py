@@ -139,14 +139,27 @@ def _serve(services: Services) -> int:
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         del frame
+        # Raised in the main thread, out of waitress' select loop, which re-raises only
+        # SystemExit-like exceptions (anything else is swallowed by its handlers) and then
+        # stops its task threads; closing the sockets from here instead would pull them
+        # from under that select (EBADF).
         log.info("signal %s: shutting down", signal.Signals(signum).name)
-        server.close()
+        raise _Shutdown(0)
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     log.info("listening on %s, journal %s", config.listen, _safe_url(config.journal))
-    server.run()  # until a signal closes it
+    try:
+        server.run()  # returns after a _Shutdown: waitress catches SystemExit itself
+    except _Shutdown:
+        pass  # raised outside waitress' own handling (between loops): same meaning
+    finally:
+        server.close()
     return 0
+
+
+class _Shutdown(SystemExit):
+    """A termination signal arrived."""
 
 
 def _safe_url(url: str) -> str:

@@ -65,6 +65,7 @@ class EngineSettings:
     report_topic: str = "alerts-infra"  # where interruptions and escalations are reported
     poll_seconds: float = 1.0
     heartbeat_seconds: float = 5.0
+    ingest_batch_seconds: float = 0.25  # gathers a burst of notifications into one batch
 
 
 def alert_of(record: AlertRecord) -> Alert:
@@ -98,7 +99,8 @@ class Engine:
         self.settings = settings
         self.metrics = metrics
         self._clock = clock
-        self._wake = threading.Event()
+        self._wake = threading.Event()  # runs are queued
+        self._accepted = threading.Event()  # the webhook accepted a notification
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._active: set[int] = set()
@@ -107,8 +109,12 @@ class Engine:
     # -- life cycle ---------------------------------------------------------------------------
 
     def recover(self) -> list[int]:
-        """Mark this replica's runs that were executing at a crash `interrupted`; report them."""
+        """Mark this replica's runs that were executing at a crash `interrupted`; report them.
+
+        Notifications accepted but not yet ingested when the process died are ingested now.
+        """
         interrupted = self.journal.recover_interrupted()
+        self.ingest()
         for run_id in interrupted:
             run = self.journal.get_run(run_id)
             playbook = run.playbook if run and run.playbook else "unknown"
@@ -129,21 +135,40 @@ class Engine:
             thread = threading.Thread(target=self._work, name=f"engine-{index}", daemon=True)
             thread.start()
             self._threads.append(thread)
-        beat = threading.Thread(target=self._heartbeat, name="engine-heartbeat", daemon=True)
-        beat.start()
-        self._threads.append(beat)
+        for target, name in ((self._heartbeat, "engine-heartbeat"), (self._ingester, "ingest")):
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop taking work; wait (bounded) for runs in progress to finish their step."""
         self._stop.set()
         self._wake.set()
+        self._accepted.set()
         deadline = time.monotonic() + timeout
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
 
     def wake(self) -> None:
-        """Tell the workers that new runs were journaled."""
-        self._wake.set()
+        """Tell the engine that the webhook accepted a notification."""
+        self._accepted.set()
+
+    def _ingester(self) -> None:
+        # One thread turns accepted notifications into runs, in batches: a burst of resends
+        # (repeat intervals, the HA pair) costs one transaction per batch, not one per
+        # notification racing the webhook's INSERTs for SQLite's write lock.
+        while not self._stop.is_set():
+            if not self._accepted.wait(self.settings.poll_seconds):
+                continue
+            self._stop.wait(self.settings.ingest_batch_seconds)
+            self._accepted.clear()
+            try:
+                if self.ingest():
+                    self._wake.set()
+            except JournalError as exc:
+                log.error("engine: cannot ingest notifications: %s", exc)
+                self._accepted.set()  # try again after the poll interval
+                self._stop.wait(self.settings.poll_seconds)
 
     def _work(self) -> None:
         while not self._stop.is_set():
@@ -169,6 +194,10 @@ class Engine:
 
     # -- one run ------------------------------------------------------------------------------
 
+    def ingest(self) -> int:
+        """Turn notifications the webhook accepted into alerts and runs; how many new runs."""
+        return len(self.journal.ingest_pending().new_run_ids)
+
     def process_one(self) -> bool:
         """Claim and handle one run; False when the queue is empty (or the fleet is busy)."""
         if self.journal.count_running() >= self.settings.limits.max_concurrent_runs:
@@ -191,7 +220,8 @@ class Engine:
         return True
 
     def process_all(self) -> int:
-        """Handle queued runs until none is left (for `replay` and tests); returns how many."""
+        """Ingest, then handle queued runs until none is left (`replay`, tests); how many."""
+        self.ingest()
         count = 0
         while self.process_one():
             count += 1

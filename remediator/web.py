@@ -1,9 +1,7 @@
 """The remediator's HTTP side: `create_app(config)`, a Flask app served by waitress.
 
-- `POST /webhook/alertmanager`: Alertmanager's webhook (v4), authenticated with the webhook
-  secret, at most 1 MiB, validated (400 naming the bad field), journaled, then answered 200.
-  Alertmanager retries only 5xx, so 5xx is answered only when the journal cannot write:
-  then Alertmanager retries and nothing is lost.
+- `POST /webhook/alertmanager`: Alertmanager's webhook (v4), answered by
+  `remediator.webhook.WebhookEndpoint` in front of Flask (the hot path; see there).
 - `GET /healthz`, `GET /metrics`.
 - `/api/…`, authenticated with the *admin* secret (never the webhook's): `GET /api/runs`,
   `GET /api/events`, `POST /api/pause`, `POST /api/resume`, `GET /api/maintenance`,
@@ -19,16 +17,14 @@ from typing import Any
 
 from flask import Flask, Response, jsonify, request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from werkzeug.exceptions import RequestEntityTooLarge
 
-from remediator.alerts import PayloadError, parse_notification
 from remediator.config import RemediatorConfig
 from remediator.journal.store import JournalError, RunRecord
 from remediator.service import Services, build_services
+from remediator.webhook import WebhookEndpoint
 
 log = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 1024 * 1024
 REALM = 'Basic realm="gpu-fleet-remediator"'
 
 
@@ -60,49 +56,14 @@ def create_app(config: RemediatorConfig, services: Services | None = None) -> Fl
     if services is None:
         services = build_services(config)
     app = Flask("gpu-fleet-remediator")
-    # Flask answers 413 on its own once a body passes this size, before it is read whole.
-    app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
+    # The admin API takes small JSON bodies; Flask answers 413 past this, before reading it.
+    app.config["MAX_CONTENT_LENGTH"] = 64 * 1024
     journal, metrics = services.journal, services.metrics
 
     def admin_only() -> Response | None:
         if not services.admin.check_authorization_header(request.headers.get("Authorization")):
             return _unauthorized()
         return None
-
-    @app.post("/webhook/alertmanager")
-    def webhook() -> tuple[Response, int] | Response:
-        code, response = _webhook()
-        metrics.webhook_requests.labels(str(code)).inc()
-        return response, code
-
-    def _webhook() -> tuple[int, Response]:
-        if not services.webhook.check_authorization_header(request.headers.get("Authorization")):
-            return 401, _unauthorized()
-        if (request.content_length or 0) > MAX_BODY_BYTES:
-            return 413, jsonify(error=f"body over {MAX_BODY_BYTES} bytes")
-        try:
-            body = request.get_data(cache=False)
-        except RequestEntityTooLarge:
-            return 413, jsonify(error=f"body over {MAX_BODY_BYTES} bytes")
-        try:
-            notification = parse_notification(body)
-        except PayloadError as exc:
-            return 400, jsonify(error=str(exc))
-        try:
-            result = journal.record_notification(notification, body)
-        except JournalError as exc:
-            log.error(
-                "webhook: journal cannot write, answering 503 so Alertmanager retries: %s", exc
-            )
-            return 503, jsonify(error="journal unavailable; retry")
-        if result.new_run_ids and services.engine is not None:
-            services.engine.wake()
-        return 200, jsonify(
-            status="ok",
-            new_runs=len(result.new_run_ids),
-            duplicates=result.duplicates,
-            resolved=result.resolved,
-        )
 
     @app.get("/healthz")
     def healthz() -> tuple[str, int]:
@@ -175,10 +136,12 @@ def create_app(config: RemediatorConfig, services: Services | None = None) -> Fl
     def journal_down(exc: JournalError) -> tuple[Response, int]:
         return jsonify(error=f"journal unavailable: {exc}"), 503
 
-    @app.errorhandler(413)
-    def too_large(_: Exception) -> tuple[Response, int]:
-        if request.path == "/webhook/alertmanager":
-            metrics.webhook_requests.labels("413").inc()
-        return jsonify(error=f"body over {MAX_BODY_BYTES} bytes"), 413
-
+    engine = services.engine
+    app.wsgi_app = WebhookEndpoint(  # type: ignore[method-assign]
+        app.wsgi_app,
+        journal=journal,
+        credential=services.webhook,
+        metrics=metrics,
+        accepted=engine.wake if engine is not None else lambda: None,
+    )
     return app

@@ -95,7 +95,7 @@ def lab(tmp_path: Path) -> Iterator[Lab]:
 def test_a_firing_alert_runs_its_playbook_and_heals(lab: Lab) -> None:
     answer = lab.post(fixture("firing"))
     assert answer.status_code == 200
-    assert answer.get_json()["new_runs"] == 1
+    assert answer.get_json()["status"] == "ok"
     lab.process()
     assert lab.alpha.count("/health") == 1 and lab.alpha.count("/verify") == 1
     [run] = lab.runs()
@@ -110,10 +110,10 @@ def test_a_firing_alert_runs_its_playbook_and_heals(lab: Lab) -> None:
 
 
 def test_repeats_and_ha_duplicates_run_nothing_again(lab: Lab) -> None:
-    assert lab.post(fixture("firing")).get_json()["new_runs"] == 1
+    assert lab.post(fixture("firing")).status_code == 200
+    lab.process()
     for name in ("repeat-interval", "ha-duplicate"):
-        answer = lab.post(fixture(name)).get_json()
-        assert answer["new_runs"] == 0 and answer["duplicates"] == 1
+        assert lab.post(fixture(name)).status_code == 200
     lab.process()
     assert lab.alpha.count("/health") == 1
     assert len(lab.runs()) == 1
@@ -122,8 +122,7 @@ def test_repeats_and_ha_duplicates_run_nothing_again(lab: Lab) -> None:
 def test_resolved_closes_without_running(lab: Lab) -> None:
     lab.post(fixture("firing"))
     lab.process()
-    answer = lab.post(fixture("resolved")).get_json()
-    assert answer == {"status": "ok", "new_runs": 0, "duplicates": 0, "resolved": 1}
+    assert lab.post(fixture("resolved")).status_code == 200
     lab.process()
     assert lab.alpha.count("/health") == 1
     [run] = lab.runs()
@@ -131,8 +130,9 @@ def test_resolved_closes_without_running(lab: Lab) -> None:
 
 
 def test_grouped_alerts_and_an_unknown_server(lab: Lab) -> None:
-    assert lab.post(fixture("grouped")).get_json()["new_runs"] == 3
+    assert lab.post(fixture("grouped")).status_code == 200
     lab.process()
+    assert len(lab.runs()) == 3
     by_target = {r["alert"]["labels"]["server"]: r for r in lab.runs()}
     assert by_target["alpha"]["outcome"] == "healed"
     assert by_target["beta"]["outcome"] == "healed"
@@ -250,6 +250,7 @@ def test_webhook_and_admin_secrets_are_kept_apart(lab: Lab) -> None:
             "alerts[0].startsAt",
         ),
         (b"x" * (1024 * 1024 + 1), 413, "body over"),
+        (b"", 400, "not JSON"),
     ],
 )
 def test_bad_bodies_get_4xx_and_run_nothing(

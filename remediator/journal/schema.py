@@ -97,6 +97,10 @@ notifications = sa.Table(
     sa.Column("group_key", sa.Text, nullable=False),
     sa.Column("receiver", sa.Text, nullable=False),
     sa.Column("raw", sa.Text, nullable=False),  # the webhook body as received (JSON text)
+    # The webhook only stores the body (one INSERT before answering 200); the replica that
+    # stored it turns it into alerts and runs right after, and marks it ingested.
+    sa.Column("replica", sa.Text, nullable=True),
+    sa.Column("ingested_at", UTCDateTime, nullable=True, index=True),
 )
 
 alerts = sa.Table(

@@ -8,7 +8,8 @@ LISTEN ?= 127.0.0.1:9445
 SCRAPES ?= 300
 
 # Debian packages the tests and the benchmark need, and why:
-#   prometheus                promtool, which checks our exposition format (`check metrics`)
+#   prometheus                promtool (checks our exposition and web config) and the Prometheus
+#                             server that the remediator's PromQL checks are tested against
 #   prometheus-node-exporter  the peer that bench/exporter_amd.py measures us against
 #   openssl, curl             test certificates and a second real client for the TLS tests
 DEB_PACKAGES := prometheus prometheus-node-exporter openssl curl
@@ -72,9 +73,11 @@ test: deps venv lint typecheck unit
 	$(BIN)/python bench/exporter_amd.py --scrapes 20
 	$(BIN)/python bench/exporter_servers.py --scrapes 2
 	$(BIN)/python bench/port_ghosts.py --processes 50 --runs 20
+	$(BIN)/python bench/webhook.py --notifications 100 --distinct 10
 
-## make bench: AMD sysfs against node_exporter; six servers, one hung; port ghosts
+## make bench: AMD sysfs vs node_exporter; six servers, one hung; port ghosts; webhook
 bench: deps venv
 	$(BIN)/python bench/exporter_amd.py --scrapes $(SCRAPES)
 	$(BIN)/python bench/exporter_servers.py --scrapes 10
 	$(BIN)/python bench/port_ghosts.py
+	$(BIN)/python bench/webhook.py

@@ -65,6 +65,7 @@ class EngineSettings:
     report_topic: str = "alerts-infra"  # where interruptions and escalations are reported
     poll_seconds: float = 1.0
     heartbeat_seconds: float = 5.0
+    prune_seconds: float = 3600.0
     ingest_batch_seconds: float = 0.25  # gathers a burst of notifications into one batch
 
 
@@ -182,8 +183,18 @@ class Engine:
                 self._wake.clear()
 
     def _heartbeat(self) -> None:
-        # Another replica's recovery must be able to tell a live run from a dead one.
+        # Another replica's recovery must be able to tell a live run from a dead one. The same
+        # thread prunes the journal past its retention now and then, so it does not grow forever.
+        next_prune = time.monotonic()
         while not self._stop.wait(self.settings.heartbeat_seconds):
+            if time.monotonic() >= next_prune:
+                next_prune = time.monotonic() + self.settings.prune_seconds
+                try:
+                    pruned = self.journal.prune()
+                    if pruned:
+                        log.info("journal: pruned %d rows past the retention", pruned)
+                except JournalError as exc:
+                    log.warning("journal prune failed: %s", exc)
             with self._active_lock:
                 active = list(self._active)
             for run_id in active:

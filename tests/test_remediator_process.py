@@ -201,7 +201,9 @@ def test_two_replicas_on_postgresql_act_exactly_once(
             )
             runs = replicas[0].runs()
             assert len(runs) == len(payloads)
-            assert {r["outcome"] for r in runs} == {"healed"}
+            assert {r["outcome"] for r in runs} == {"healed"}, [
+                (r["decision"], r["reason"]) for r in runs
+            ]
             for name, server in servers.items():
                 assert server.count("/health") == 1, name  # each side effect exactly once
                 assert server.count("/verify") == 1, name

@@ -319,7 +319,7 @@ _LIBC = ctypes.CDLL(None, use_errno=True)
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In the child before exec: ask the kernel to SIGKILL it when its parent dies.
 
     Fixtures stop their servers, but a pytest that is itself SIGKILLed (a CI timeout) runs no
@@ -382,7 +382,7 @@ class LlamaServer:
             stderr=subprocess.STDOUT,
             env=_clean_environment(),
             # Safe here: the hook is one system call through a libc loaded before the fork.
-            preexec_fn=_die_with_parent,  # noqa: PLW1509
+            preexec_fn=die_with_parent,  # noqa: PLW1509
         )
         return self
 

@@ -35,7 +35,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
-from tests.llama_lab import _die_with_parent, free_port
+from tests.llama_lab import die_with_parent, free_port
 
 EXPOSITION_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -175,7 +175,7 @@ class PrometheusServer:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             # Safe here: the hook is one system call through a libc loaded before the fork.
-            preexec_fn=_die_with_parent,  # noqa: PLW1509
+            preexec_fn=die_with_parent,  # noqa: PLW1509
         )
         deadline = time.monotonic() + timeout
         self._wait_ready(deadline)

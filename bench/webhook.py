@@ -117,11 +117,19 @@ def main() -> int:
             post_all(bare_port, warm, setup.webhook_token)
             ours_times = post_all(ours_port, bodies, setup.webhook_token)
             bare_times = post_all(bare_port, bodies, setup.webhook_token)
-            conn = http.client.HTTPConnection("127.0.0.1", ours_port, timeout=30)
-            conn.request("GET", "/api/runs?limit=1000",
-                         headers={"Authorization": f"Bearer {setup.admin_token}"})  # fmt: skip
-            runs = json.loads(conn.getresponse().read())["runs"]
-            conn.close()
+            # The webhook answers once the body is journaled; the runs are made right after,
+            # in batches: wait (bounded) until the distinct alerts have theirs.
+            deadline = time.monotonic() + 20
+            runs = []
+            while time.monotonic() < deadline:
+                conn = http.client.HTTPConnection("127.0.0.1", ours_port, timeout=30)
+                conn.request("GET", "/api/runs?limit=1000",
+                             headers={"Authorization": f"Bearer {setup.admin_token}"})  # fmt: skip
+                runs = json.loads(conn.getresponse().read())["runs"]
+                conn.close()
+                if len(runs) >= args.distinct:
+                    break
+                time.sleep(0.1)
         finally:
             for proc in (ours, bare):
                 proc.terminate()

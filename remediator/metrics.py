@@ -44,6 +44,9 @@ class _JournalState:
         self._journal = journal
 
     def collect(self) -> Iterator[Metric]:
+        up = GaugeMetricFamily(
+            "gpufleet_remediator_journal_up", "1 when the journal answered this scrape."
+        )
         try:
             depth = self._journal.queue_depth()
             breakers = self._journal.open_breakers()
@@ -51,15 +54,9 @@ class _JournalState:
             maintenance = self._journal.maintenance()
         except JournalError as exc:
             log.warning("metrics: journal unreadable: %s", exc)
-            up = GaugeMetricFamily(
-                "gpufleet_remediator_journal_up", "1 when the journal answered this scrape."
-            )
             up.add_metric([], 0)
             yield up
             return
-        up = GaugeMetricFamily(
-            "gpufleet_remediator_journal_up", "1 when the journal answered this scrape."
-        )
         up.add_metric([], 1)
         yield up
         queue = GaugeMetricFamily(

@@ -18,14 +18,12 @@ from typing import Any
 from flask import Flask, Response, jsonify, request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from remediator.config import RemediatorConfig
+from remediator.config import Credential, RemediatorConfig
 from remediator.journal.store import JournalError, RunRecord
 from remediator.service import Services, build_services
 from remediator.webhook import WebhookEndpoint
 
 log = logging.getLogger(__name__)
-
-REALM = 'Basic realm="gpu-fleet-remediator"'
 
 
 def _json(value: Any) -> Any:
@@ -44,10 +42,10 @@ def run_json(run: RunRecord) -> dict[str, Any]:
     return data
 
 
-def _unauthorized() -> Response:
+def _unauthorized(credential: Credential) -> Response:
     response = jsonify(error="unauthorized")
     response.status_code = 401
-    response.headers["WWW-Authenticate"] = REALM
+    response.headers["WWW-Authenticate"] = credential.www_authenticate
     return response
 
 
@@ -62,7 +60,7 @@ def create_app(config: RemediatorConfig, services: Services | None = None) -> Fl
 
     def admin_only() -> Response | None:
         if not services.admin.check_authorization_header(request.headers.get("Authorization")):
-            return _unauthorized()
+            return _unauthorized(services.admin)
         return None
 
     @app.get("/healthz")

@@ -29,7 +29,6 @@ log = logging.getLogger(__name__)
 
 PATH = "/webhook/alertmanager"
 MAX_BODY_BYTES = 1024 * 1024
-REALM = 'Basic realm="gpu-fleet-remediator"'
 _Headers = list[tuple[str, str]]
 
 
@@ -68,7 +67,11 @@ class WebhookEndpoint:
         if environ.get("REQUEST_METHOD") != "POST":
             return "405 Method Not Allowed", {"error": "POST only"}, [("Allow", "POST")]
         if not self._credential.check_authorization_header(environ.get("HTTP_AUTHORIZATION")):
-            return "401 Unauthorized", {"error": "unauthorized"}, [("WWW-Authenticate", REALM)]
+            return (
+                "401 Unauthorized",
+                {"error": "unauthorized"},
+                [("WWW-Authenticate", self._credential.www_authenticate)],
+            )
         try:
             length = int(environ.get("CONTENT_LENGTH") or 0)
         except ValueError:

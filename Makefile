@@ -12,7 +12,9 @@ SCRAPES ?= 300
 #                             server that the remediator's PromQL checks are tested against
 #   prometheus-node-exporter  the peer that bench/exporter_amd.py measures us against
 #   openssl, curl             test certificates and a second real client for the TLS tests
-DEB_PACKAGES := prometheus prometheus-node-exporter openssl curl
+#   prometheus-alertmanager   amtool and the Alertmanager that the example wiring is tested with
+#   systemd                   systemd-analyze, which verifies our unit files
+DEB_PACKAGES := prometheus prometheus-node-exporter prometheus-alertmanager systemd openssl curl
 
 .PHONY: run test bench deps venv lint typecheck unit
 
@@ -51,8 +53,9 @@ deps:
 	done; \
 	if [ -n "$$missing" ]; then \
 	  echo "make: installing Debian packages:$$missing"; \
-	  echo "      (promtool checks our exposition and configs; node_exporter is the benchmark's"; \
-	  echo "      peer; openssl and curl make and use the TLS tests' certificates)"; \
+	  echo "      (promtool checks our exposition, rules and configs; amtool and Alertmanager the"; \
+	  echo "      example wiring; systemd-analyze our units; node_exporter is the benchmark's peer;"; \
+	  echo "      openssl and curl make and use the TLS tests' certificates)"; \
 	  sudo=""; [ "$$(id -u)" -eq 0 ] || sudo="sudo"; \
 	  $$sudo apt-get update -q && \
 	  $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $$missing; \

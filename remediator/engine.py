@@ -66,7 +66,11 @@ class EngineSettings:
     poll_seconds: float = 1.0
     heartbeat_seconds: float = 5.0
     prune_seconds: float = 3600.0
-    ingest_batch_seconds: float = 0.25  # gathers a burst of notifications into one batch
+    # A burst of notifications is ingested once it has been quiet this long, or at the latest
+    # after ingest_max_delay_seconds: while Alertmanager is delivering, the webhook keeps the
+    # journal's write lock (and the GIL) to itself and answers fast.
+    ingest_quiet_seconds: float = 0.1
+    ingest_max_delay_seconds: float = 1.0
 
 
 def alert_of(record: AlertRecord) -> Alert:
@@ -161,8 +165,7 @@ class Engine:
         while not self._stop.is_set():
             if not self._accepted.wait(self.settings.poll_seconds):
                 continue
-            self._stop.wait(self.settings.ingest_batch_seconds)
-            self._accepted.clear()
+            self._wait_for_quiet()
             try:
                 if self.ingest():
                     self._wake.set()
@@ -170,6 +173,21 @@ class Engine:
                 log.error("engine: cannot ingest notifications: %s", exc)
                 self._accepted.set()  # try again after the poll interval
                 self._stop.wait(self.settings.poll_seconds)
+
+    def _wait_for_quiet(self) -> None:
+        """Return once no notification came for `ingest_quiet_seconds` (bounded), flag cleared.
+
+        Ingesting while Alertmanager still delivers a burst would take SQLite's write lock and
+        the GIL from the webhook between its requests and slow every acknowledgement; the runs
+        start at most `ingest_max_delay_seconds` later, which an alert held for minutes by its
+        `for:` does not notice.
+        """
+        deadline = time.monotonic() + self.settings.ingest_max_delay_seconds
+        while not self._stop.is_set():
+            self._accepted.clear()
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._accepted.wait(min(self.settings.ingest_quiet_seconds, left)):
+                return
 
     def _work(self) -> None:
         while not self._stop.is_set():

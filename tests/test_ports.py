@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -124,7 +125,12 @@ def stand_in(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> SystemctlStandI
 
 
 def collector(servers: dict[str, Server], **kwargs: Any) -> PortsCollector:
+    """A ports collector that names a ghost in the scrape that sees it (no time budget).
+
+    The budgeted search that names a ghost over several scrapes has its own tests.
+    """
     units = UnitsReader([s.unit for s in servers.values()], max_age_seconds=0)
+    kwargs.setdefault("naming_budget_seconds", None)
     return PortsCollector(servers, units, **kwargs)
 
 
@@ -247,6 +253,37 @@ def test_a_ghost_costs_one_full_scan_then_its_holder_is_rechecked(
     assert error is None and ghost(registry, "alpha", port) == 1.0
     assert {pid for _, pid, _ in listeners(registry)} == {str(second.pid)}
     assert ports.last_scan is not None and ports.last_scan.full_scan and not ports.last_scan.hinted
+
+
+def test_a_ghost_is_known_at_once_and_named_over_scrapes_within_the_budget(
+    llama_server: StartLlamaServer, stand_in: SystemctlStandIn
+) -> None:
+    """The default: no scrape reads all of /proc; the verdict does not wait for the name."""
+    main = llama_server(*LLAMA_ARGS)
+    port = free_port()
+    stand_in.set_unit(UNIT, ActiveState="active", MainPID=main.pid)
+    # One systemctl answer for the whole test: the scrapes below are about /proc only.
+    units = UnitsReader([UNIT], max_age_seconds=600)
+    ports = PortsCollector({"alpha": server(port)}, units, naming_budget_seconds=0.0)
+    with PythonListener(port) as holder:  # the newest pid: the end of /proc's order
+        scrapes, named = 0, False
+        while not named:
+            scrapes += 1
+            assert scrapes < 5000, "the budgeted search never ended"
+            registry, error = scrape(ports)
+            # Known at once, without an error while the search for its name goes on.
+            assert error is None and ghost(registry, "alpha", port) == 1.0
+            scan = ports.last_scan
+            assert scan is not None
+            named = bool(listeners(registry))
+            if not named:
+                # A budget of 0 still reads one process per scrape, so the search ends.
+                assert not scan.complete and len(scan.scanned - {main.pid}) == 1
+        assert listeners(registry) == {(str(port), str(holder.pid), listeners(registry).pop()[2])}
+        assert scrapes > 1
+        registry, error = scrape(ports)  # then one readlink confirms it
+        assert ports.last_scan is not None and ports.last_scan.hinted
+        assert error is None and {pid for _, pid, _ in listeners(registry)} == {str(holder.pid)}
 
 
 def test_sock_diag_and_proc_net_tcp_agree(llama_server: StartLlamaServer) -> None:
@@ -478,8 +515,22 @@ def test_a_socket_no_visible_process_holds_is_unknown(
     (procfs / "100" / "fd" / "0").unlink()  # now no process of the tree holds inode 623
     stand_in.set_unit(UNIT, ActiveState="active", MainPID=100)
     registry, error = scrape(collector({"alpha": server(2024)}, procfs=str(procfs)))
-    assert ghost(registry, "alpha", 2024) is None
+    # The unit's process was read whole and does not hold it: not the unit's, so a ghost,
+    # whose holder cannot be named.
+    assert ghost(registry, "alpha", 2024) == 1.0
+    assert listeners(registry) == set()
     assert error is not None and "no process visible" in str(error) and "hidepid" in str(error)
+
+
+def test_a_hidden_unit_process_leaves_the_ghost_unknown(
+    procfs: Path, stand_in: SystemctlStandIn
+) -> None:
+    """hidepid=2 hides the unit's own process: whether it holds the socket cannot be told."""
+    shutil.rmtree(procfs / "100" / "fd")  # what hidepid=2 shows: the pid's fds are not there
+    stand_in.set_unit(UNIT, ActiveState="active", MainPID=100)
+    registry, error = scrape(collector({"alpha": server(2024)}, procfs=str(procfs)))
+    assert ghost(registry, "alpha", 2024) is None
+    assert error is not None and "no process visible" in str(error)
 
 
 def test_unreadable_net_tcp_fails_the_collector(tmp_path: Path, stand_in: SystemctlStandIn) -> None:

@@ -20,9 +20,14 @@ addresses of one port) belong to that server, not to a ghost.
 
 Cost: the listening sockets come from the kernel's sock_diag (or `/proc/net/tcp{,6}`); the
 unit's main process is checked first (one `/proc/PID/fd` read), then the unit's other
-processes, and only when a socket is still unaccounted for (a ghost, or no privilege) every
-process of /proc. Where a holder was found is remembered and re-checked first on the next
-scrape (one readlink), so a ghost costs the full scan once, not on every scrape.
+processes. That settles the verdict: a socket that none of the unit's processes holds is a
+ghost's (when all of them could be read). Only to *name* a ghost is the rest of /proc read, and
+that read works under a time budget per scrape (`naming_budget_seconds`, 3 ms by default),
+continued where it stopped on the next scrape: on a host with thousands of processes the
+ghost's `gpufleet_port_listener_info` appears a few scrapes after its `gpufleet_port_ghost` 1,
+and no scrape pays for the whole of /proc. Where a holder was found is remembered and
+re-checked first on the next scrape (one readlink), so a ghost is searched for once, not on
+every scrape.
 
 Privilege: who holds a socket is read from `/proc/PID/fd`, which needs root or
 CAP_SYS_PTRACE + CAP_DAC_READ_SEARCH for other users' processes. Without it the ghost series of
@@ -38,8 +43,9 @@ Check by hand (as root; without privilege `ss` shows no process)::
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
@@ -64,6 +70,18 @@ RUNNING_STATES = frozenset({"active", "reloading", "refreshing"})
 
 PRIVILEGE = "root, or CAP_SYS_PTRACE and CAP_DAC_READ_SEARCH"
 
+# Time a scrape may spend reading other processes to name a ghost (the target for the whole
+# port check is 5 ms on a host with 1,000 extra processes: bench/port_ghosts.py).
+NAMING_BUDGET_SECONDS = 0.003
+
+
+@dataclass
+class _NamingPass:
+    """A read of /proc for the holders of `inodes`, spread over scrapes."""
+
+    inodes: frozenset[int]
+    read: set[int] = field(default_factory=set)  # pids read so far that hold none of them
+
 
 @dataclass
 class _Check:
@@ -86,6 +104,7 @@ class PortsCollector:
         *,
         procfs: str = "/proc",
         sysfs: str = "/sys",
+        naming_budget_seconds: float | None = NAMING_BUDGET_SECONDS,
     ) -> None:
         self._servers = dict(sorted(servers.items()))
         self._ports = {name: url_port(server.url) for name, server in self._servers.items()}
@@ -96,6 +115,9 @@ class PortsCollector:
         # time, so a ghost that stays for hours costs its full /proc scan once, not every scrape.
         # A hint is only a place to look: a holder counts only once its fd is read again.
         self._hints: dict[int, tuple[int, str]] = {}
+        # None: no limit (name a ghost in the scrape that sees it, however long /proc takes).
+        self._naming_budget = naming_budget_seconds
+        self._naming: _NamingPass | None = None
         # The last scrape's scan, for tests and the benchmark: how many processes it read and
         # whether it needed the whole of /proc.
         self.last_scan: HolderScan | None = None
@@ -166,9 +188,13 @@ class PortsCollector:
                 own[name] = main | unit_pids(status, sysfs=self._sysfs, procfs=self._procfs)
         unresolved = scan.unresolved(inodes)
         if unresolved:
-            # The rest of /proc only for what is still unaccounted for.
             candidates = sorted({pid for pids in own.values() for pid in pids})
-            scan = find_holders(unresolved, candidates, procfs=self._procfs, previous=scan)
+            scan = find_holders(
+                unresolved, candidates, procfs=self._procfs, rest=False, previous=scan
+            )
+            unresolved = scan.unresolved(inodes)
+        if unresolved:
+            scan = self._name_holders(unresolved, scan)
             unresolved = scan.unresolved(inodes)
         if unresolved:
             # A socket closed between reading net/tcp and reading the fds is simply gone.
@@ -185,6 +211,9 @@ class PortsCollector:
 
         ghosts: dict[str, bool] = {}
         reported: set[int] = set()  # ports whose unseen holder is already explained
+        # A holder not found yet is worth a message once the search is over (a server whose
+        # own processes cannot be read gets its message from the verdict, at once).
+        explain = scan.complete
         for name, server in self._servers.items():
             port = self._ports[name]
             socks = by_port.get(port, [])
@@ -210,11 +239,33 @@ class PortsCollector:
             socks = by_port.get(port, [])
             for sock in socks:
                 listeners.update((port, pid) for pid in scan.holders.get(sock.inode, ()))
-            if port not in reported and any(sock.inode in unresolved for sock in socks):
+            if explain and port not in reported and any(sock.inode in unresolved for sock in socks):
                 # The ghost value may be known (a unit that is not running), the holder is not.
                 problems.append(self._unknown(name, port, socks, scan))
                 reported.add(port)
         return _Check(ghosts, listeners, problems)
+
+    def _name_holders(self, unresolved: set[int], scan: HolderScan) -> HolderScan:
+        """Read the rest of /proc for `unresolved`, within this scrape's budget."""
+        inodes = frozenset(unresolved)
+        if self._naming is None or self._naming.inodes != inodes:
+            self._naming = _NamingPass(inodes)  # a new search: what was read before is moot
+        deadline = None
+        if self._naming_budget is not None:
+            deadline = time.monotonic() + self._naming_budget
+        scan = find_holders(
+            unresolved,
+            procfs=self._procfs,
+            previous=scan,
+            skip=self._naming.read,
+            deadline=deadline,
+        )
+        if scan.complete:
+            self._naming = None  # found, or /proc read to its end: the next search starts over
+        else:
+            holding = {pid for inode in unresolved for pid in scan.holders.get(inode, ())}
+            self._naming.read |= scan.scanned - holding
+        return scan
 
     def _verdict(
         self,
@@ -226,10 +277,16 @@ class PortsCollector:
         """True ghost, False clean, None unknown, for a running unit with listeners."""
         # Another roster server on the same port (on another address) owns its own sockets.
         legit = set().union(*(own.get(n, set()) for n, p in self._ports.items() if p == port))
+        # Every process of the units was seen whole (its fd directory read; not hidden by
+        # hidepid=, not refused): a socket none of them holds is not theirs, whoever holds it
+        # (naming that holder may take a few more scrapes).
+        seen_all = legit <= scan.listed
         unknown = False
         for sock in socks:
             holders = scan.holders.get(sock.inode)
             if not holders:
+                if seen_all and legit:
+                    return True
                 unknown = True
             elif not holders & legit:
                 return True  # a known ghost is a ghost, whatever else is unknown

@@ -34,6 +34,7 @@ import pwd
 import socket
 import struct
 import sys
+import time
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
@@ -66,7 +67,11 @@ class HolderScan:
     holders: dict[int, set[int]] = field(default_factory=dict)  # inode -> pids holding it
     denied: set[int] = field(default_factory=set)  # pids whose fds we may not read
     scanned: set[int] = field(default_factory=set)  # pids whose fd directory was read (or tried)
+    listed: set[int] = field(default_factory=set)  # pids whose fd directory was read: seen whole
     full_scan: bool = False  # True when the rest of /proc had to be read
+    # False when a `deadline` stopped the read of the rest of /proc before its end: the
+    # unresolved inodes may yet have a holder among the processes not read.
+    complete: bool = True
     # Where each holder was found, inode -> (pid, fd name): hints for the next scan, which
     # re-checks them with one readlink each before reading anything else.
     places: dict[int, tuple[int, str]] = field(default_factory=dict)
@@ -293,6 +298,7 @@ def _scan_process(pid: int, procfs: str, targets: dict[str, int], scan: HolderSc
         if exc.errno in _DENIED:
             scan.denied.add(pid)
         return
+    scan.listed.add(pid)
     for name in names:
         try:
             target = os.readlink(os.path.join(fd_dir, name))
@@ -301,6 +307,7 @@ def _scan_process(pid: int, procfs: str, targets: dict[str, int], scan: HolderSc
             # changed credentials since the listing (setuid), we may no longer look.
             if exc.errno in _DENIED:
                 scan.denied.add(pid)
+                scan.listed.discard(pid)
                 return
             continue
         inode = targets.get(target)
@@ -323,6 +330,8 @@ def find_holders(
     all_holders: bool = False,
     previous: HolderScan | None = None,
     hints: Mapping[int, tuple[int, str]] | None = None,
+    skip: Collection[int] = (),
+    deadline: float | None = None,
 ) -> HolderScan:
     """Which processes hold the sockets `inodes`.
 
@@ -331,8 +340,12 @@ def find_holders(
     inode is still without a holder (or always, with `all_holders`) and `rest` is true, every
     other process of `procfs` is read too, stopping as soon as each inode has a holder unless
     `all_holders` asks for every one. `previous` continues an earlier scan for (a superset of)
-    the same inodes: its findings are kept and its processes not read again. Raises
-    `ProcNetError` when `procfs` cannot be listed.
+    the same inodes: its findings are kept and its processes not read again. `skip` names
+    processes an earlier, unfinished pass already read without finding the inodes. With a
+    `deadline` (`time.monotonic()`), the read of the rest of /proc stops once it has passed (at
+    least one process is read, so a pass continued over several calls always ends) and
+    `complete` says whether it reached the end. Raises `ProcNetError` when `procfs` cannot be
+    listed.
     """
     scan = previous if previous is not None else HolderScan()
     if not inodes:
@@ -365,11 +378,17 @@ def find_holders(
         pids = all_pids(procfs)
     except OSError as exc:
         raise ProcNetError(f"{procfs}: cannot list processes: {exc.strerror or exc}") from None
+    read_one = False
     for pid in pids:
-        if pid not in scan.scanned:
-            _scan_process(pid, procfs, targets, scan)
-            if done():
-                break
+        if pid in scan.scanned or pid in skip:
+            continue
+        if read_one and deadline is not None and time.monotonic() > deadline:
+            scan.complete = False
+            break
+        _scan_process(pid, procfs, targets, scan)
+        read_one = True
+        if done():
+            break
     return scan
 
 

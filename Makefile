@@ -14,7 +14,10 @@ SCRAPES ?= 300
 #   openssl, curl             test certificates and a second real client for the TLS tests
 #   prometheus-alertmanager   amtool and the Alertmanager that the example wiring is tested with
 #   systemd                   systemd-analyze, which verifies our unit files
-DEB_PACKAGES := prometheus prometheus-node-exporter prometheus-alertmanager systemd openssl curl
+#   openssh-server, sudo      the real sshd the SSH executor is tested through, and visudo for
+#                             the node's sudoers line
+DEB_PACKAGES := prometheus prometheus-node-exporter prometheus-alertmanager systemd \
+                openssh-server sudo openssl curl
 
 .PHONY: run test bench deps venv lint typecheck unit
 
@@ -54,7 +57,8 @@ deps:
 	if [ -n "$$missing" ]; then \
 	  echo "make: installing Debian packages:$$missing"; \
 	  echo "      (promtool checks our exposition, rules and configs; amtool and Alertmanager the"; \
-	  echo "      example wiring; systemd-analyze our units; node_exporter is the benchmark's peer;"; \
+	  echo "      example wiring; systemd-analyze our units; sshd and sudo the SSH executor and the"; \
+	  echo "      node's forced command; node_exporter is the benchmark's peer;"; \
 	  echo "      openssl and curl make and use the TLS tests' certificates)"; \
 	  sudo=""; [ "$$(id -u)" -eq 0 ] || sudo="sudo"; \
 	  $$sudo apt-get update -q && \

@@ -111,6 +111,48 @@ class Canary(_Strict):
     timeout_seconds: float = Field(default=60.0, gt=0, le=600)
 
 
+def _http_url(value: str) -> str:
+    """`value` if it is an http(s) URL with a host (and a valid port), without a trailing /."""
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError("must be an http:// or https:// URL with a host")
+    try:
+        _ = parts.port
+    except ValueError as exc:
+        raise ValueError(f"bad port: {exc}") from None
+    return value.rstrip("/")
+
+
+def _absolute_path(value: Path | None) -> Path | None:
+    # Relative paths would depend on the working directory of whichever program reads them.
+    if value is not None and not value.is_absolute():
+        raise ValueError("must be an absolute path")
+    return value
+
+
+class LiteLlm(_Strict):
+    """The LiteLLM proxy that routes to a server: the remediator drains through its admin API.
+
+    `model_id` is the deployment's id in the proxy (`model_info.id`, what `/model/block` and
+    `/model/unblock` name); the admin (master) key is read from `admin_key_file` on each use.
+    """
+
+    url: str
+    model_id: Annotated[str, Field(min_length=1, max_length=200, pattern=r"^\S+$")]
+    admin_key_file: Path
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, value: str) -> str:
+        return _http_url(value)
+
+    @field_validator("admin_key_file")
+    @classmethod
+    def _key_file(cls, value: Path) -> Path:
+        _absolute_path(value)
+        return value
+
+
 class Server(_Strict):
     """A model server: a llama-server or vLLM process under a systemd unit."""
 
@@ -123,6 +165,7 @@ class Server(_Strict):
     api_key_file: Path | None = None
     timeout_seconds: float = Field(default=2.0, gt=0, le=60)
     canary: Canary | None = None
+    litellm: LiteLlm | None = None
 
     @model_validator(mode="after")
     def _canary_needs_llama(self) -> Server:
@@ -134,22 +177,12 @@ class Server(_Strict):
     @field_validator("url")
     @classmethod
     def _http_url(cls, value: str) -> str:
-        parts = urlsplit(value)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError("must be an http:// or https:// URL with a host")
-        try:
-            _ = parts.port
-        except ValueError as exc:
-            raise ValueError(f"bad port: {exc}") from None
-        return value.rstrip("/")
+        return _http_url(value)
 
     @field_validator("api_key_file")
     @classmethod
     def _absolute(cls, value: Path | None) -> Path | None:
-        # Relative paths would depend on the working directory of whichever program reads them.
-        if value is not None and not value.is_absolute():
-            raise ValueError("must be an absolute path")
-        return value
+        return _absolute_path(value)
 
 
 class Host(_Strict):

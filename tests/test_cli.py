@@ -183,20 +183,6 @@ def test_missing_explicit_roster_and_bad_flags_exit_2(tmp_path: Path) -> None:
     assert result.returncode == 2 and "--collector.timeout" in result.stderr
 
 
-def test_not_yet_built_commands_say_so_and_fail() -> None:
-    bindir = Path(sys.executable).parent
-    for script, verb in (("gpu-fleet-node", "restart"),):
-        result = subprocess.run(
-            [str(bindir / script), verb, "alpha"],
-            capture_output=True,
-            text=True,
-            check=False,
-            timeout=30,
-        )
-        assert result.returncode != 0
-        assert "not built yet" in result.stderr
-
-
 def test_serves_metrics_and_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
     sysfs = tmp_path / "sys"
     write_amd_fleet(sysfs, [0])

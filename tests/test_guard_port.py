@@ -296,10 +296,15 @@ def test_the_capabilities_it_asks_for_are_enough(shared_dir: Path) -> None:
 @pytest.mark.parametrize(
     "args", [["restart-unit", "alpha"], ["--ssh"], ["--ssh", "guard-port", "alpha"]]
 )
-def test_what_is_not_built_says_so_and_exits_2(args: list[str]) -> None:
-    result = subprocess.run([NODE, *args], capture_output=True, text=True, timeout=60, check=False)
+def test_what_is_not_a_verb_is_refused_with_exit_2(args: list[str]) -> None:
+    # Once "not built yet"; now every verb exists and anything else is refused (nothing done).
+    env = {k: v for k, v in os.environ.items() if k != "SSH_ORIGINAL_COMMAND"}
+    result = subprocess.run(
+        [NODE, *args], capture_output=True, text=True, timeout=60, check=False, env=env
+    )
     assert result.returncode == 2
-    assert "not built yet" in result.stderr and "nothing was done" in result.stderr
+    assert "refused, nothing was done" in result.stderr
+    assert '"ok":false' in result.stdout
 
 
 def test_a_bad_guard_port_command_line_fails_open() -> None:

@@ -32,6 +32,7 @@ FIXTURES = ROOT / "tests" / "fixtures" / "nvml"
 CALLERS = [
     ROOT / "exporter" / "collectors" / "nvidia.py",
     ROOT / "exporter" / "sources" / "nvml.py",
+    ROOT / "exporter" / "node" / "gpus.py",  # gpu-fleet-node: processes, power capping
 ]
 
 
@@ -119,7 +120,13 @@ def test_fake_device_calls_name_themselves() -> None:
 def test_fake_has_exactly_the_calls_the_collector_makes() -> None:
     called = set().union(*(backend_calls(path) for path in CALLERS))
     # Not vacuous: the parser must see the collector's calls at all.
-    assert {"nvmlInit", "nvmlShutdown", "nvmlDeviceGetPowerUsage", "nvmlEventSetWait_v2"} <= called
+    assert {
+        "nvmlInit",
+        "nvmlShutdown",
+        "nvmlDeviceGetPowerUsage",
+        "nvmlEventSetWait_v2",
+        "nvmlDeviceSetPowerManagementLimit",
+    } <= called
     assert called == set(FAKE_METHODS), (
         f"collector calls missing from the fake: {sorted(called - set(FAKE_METHODS))}; "
         f"fake functions nothing calls: {sorted(set(FAKE_METHODS) - called)}"
@@ -321,3 +328,30 @@ def test_bad_scenario_names_the_key(tmp_path: Path, text: str, complaint: str) -
 def test_scenario_files_are_valid(path: Path) -> None:
     scenario = load_scenario(path)
     assert scenario.library_missing or scenario.gpus
+
+
+def test_fake_power_limit_setter_fails_like_nvml(fake: FakeNvml, tmp_path: Path) -> None:
+    handle = fake.nvmlDeviceGetHandleByIndex(0)
+    with pytest.raises(pynvml.NVMLError_InvalidArgument):  # below the constraints' min
+        fake.nvmlDeviceSetPowerManagementLimit(handle, 100_000)
+    assert fake.nvmlDeviceGetEnforcedPowerLimit(handle) == 650_000
+    fake.nvmlDeviceSetPowerManagementLimit(handle, 450_000)
+    assert fake.nvmlDeviceGetEnforcedPowerLimit(handle) == 450_000
+    # Another user of the same scenario (another process) sees the card's new limit.
+    other = FakeNvml(tmp_path / "two_gpus.yaml")
+    other.nvmlInit()
+    assert other.nvmlDeviceGetEnforcedPowerLimit(other.nvmlDeviceGetHandleByIndex(0)) == 450_000
+    other.nvmlShutdown()
+    read_only = tmp_path / "read_only.yaml"
+    read_only.write_text(
+        "gpus:\n  - {pci_bus_id: '0000:01:00.0', pci_device_id: 1, power_limit_read_only: true,"
+        " power_limit_milliwatts: {enforced: 300000, min: 100000, max: 400000}}\n"
+        "  - {pci_bus_id: '0000:02:00.0', pci_device_id: 1}\n"
+    )
+    backend = FakeNvml(read_only)
+    backend.nvmlInit()
+    with pytest.raises(pynvml.NVMLError_NoPermission):  # what a caller without root gets
+        backend.nvmlDeviceSetPowerManagementLimit(backend.nvmlDeviceGetHandleByIndex(0), 200_000)
+    with pytest.raises(pynvml.NVMLError_NotSupported):  # no power management at all
+        backend.nvmlDeviceSetPowerManagementLimit(backend.nvmlDeviceGetHandleByIndex(1), 200_000)
+    backend.nvmlShutdown()

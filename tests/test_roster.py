@@ -204,3 +204,51 @@ def test_host_resolution_order(tmp_path: Path) -> None:
     )
     with pytest.raises(RosterError, match="cannot tell which roster host this is"):
         resolve_host_name(roster, None, host_file=no_file, hostname=lambda: "elsewhere")
+
+
+LITELLM = """
+        litellm:
+          url: https://litellm.example.net:4000/
+          model_id: 2f1c5e0a-alpha
+          admin_key_file: /etc/gpu-fleet/litellm.key
+"""
+
+
+def test_litellm_keys_of_a_server(tmp_path: Path) -> None:
+    roster = load_roster(write(tmp_path, MINIMAL.rstrip("\n") + LITELLM))
+    litellm = roster.hosts["dioscuri"].servers["alpha"].litellm
+    assert litellm is not None
+    assert litellm.url == "https://litellm.example.net:4000"  # trailing slash dropped
+    assert litellm.model_id == "2f1c5e0a-alpha"
+    assert litellm.admin_key_file == Path("/etc/gpu-fleet/litellm.key")
+    assert load_roster(write(tmp_path, MINIMAL)).hosts["dioscuri"].servers["alpha"].litellm is None
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "expected"),
+    [
+        (
+            "https://litellm.example.net:4000/",
+            "ftp://litellm.example.net",
+            "servers.alpha.litellm.url: must be an http:// or https:// URL with a host",
+        ),
+        (
+            "/etc/gpu-fleet/litellm.key",
+            "litellm.key",
+            "servers.alpha.litellm.admin_key_file: must be an absolute path",
+        ),
+        ("2f1c5e0a-alpha", "'two words'", "servers.alpha.litellm.model_id: String should match"),
+        ("model_id: 2f1c5e0a-alpha", "model: x", "servers.alpha.litellm.model: unknown key"),
+    ],
+)
+def test_litellm_errors_name_the_key_path(
+    tmp_path: Path, old: str, new: str, expected: str
+) -> None:
+    text = (MINIMAL.rstrip("\n") + LITELLM).replace(old, new)
+    assert f"hosts.dioscuri.{expected}" in error_of(tmp_path, text)
+
+
+def test_litellm_model_id_is_required(tmp_path: Path) -> None:
+    text = (MINIMAL.rstrip("\n") + LITELLM).replace("          model_id: 2f1c5e0a-alpha\n", "")
+    message = error_of(tmp_path, text)
+    assert "hosts.dioscuri.servers.alpha.litellm.model_id: required key is missing" in message

@@ -286,7 +286,14 @@ class AmdCard:
         self._energy: str | None = None
         self._fan: str | None = None
         self._clocks: tuple[tuple[str, str], ...] = ()
+        # The power-cap files by name (`power1_cap`, `power1_cap_min`, ...), for gpu-fleet-node.
+        self.power_cap_files: dict[str, str] = {}
         if chip is not None:
+            self.power_cap_files = {
+                name: path
+                for name in ("power1_cap", "power1_cap_min", "power1_cap_max", "power1_cap_default")
+                if (path := chip.file(name))
+            }
             # thermal.rst: power1_input is instantaneous, power1_average averaged; newer ASICs
             # (and APUs) have only power1_input, older only power1_average. Prefer the former.
             self._power = tuple(

@@ -182,7 +182,7 @@ class EventData(Protocol):
 
 
 class NvmlBackend(Protocol):
-    """The NVML functions the NVIDIA collector calls, with pynvml's own parameter names.
+    """The NVML functions the NVIDIA collector and gpu-fleet-node call, with pynvml's names.
 
     Handles and event sets are opaque (`object`): ctypes pointers in pynvml.
     """
@@ -255,6 +255,10 @@ class NvmlBackend(Protocol):
 
     def nvmlDeviceGetPowerManagementLimitConstraints(self, handle: object) -> Sequence[int]:
         """`[min, max]` settable limit, mW."""
+        ...
+
+    def nvmlDeviceSetPowerManagementLimit(self, handle: object, limit: int) -> None:
+        """Set the power limit, mW, within the constraints (root only); gpu-fleet-node only."""
         ...
 
     def nvmlDeviceGetTotalEnergyConsumption(self, handle: object) -> int:

@@ -51,7 +51,17 @@ Scenario format (`tests/fixtures/nvml/*.yaml`, `examples/nvml-fake/*.yaml`)::
         hang: {call: nvmlDeviceGetPowerUsage, seconds: 3, times: 1}
 
 A data key that is left out is not supported either (NOT_SUPPORTED, as on a card without that
-sensor). The file is re-read when it changes, so editing a value shows on the next scrape, and
+sensor).
+
+`nvmlDeviceSetPowerManagementLimit` (gpu-fleet-node's `power-cap`) checks the limit against the
+GPU's `min`/`max` (INVALID_ARGUMENT outside, as NVML does; NO_PERMISSION when the GPU has
+`power_limit_read_only: true`, as for a caller without root) and records the new enforced
+limit in a settings file beside the scenario, `<scenario>.settings.json`
+(`{"0000:41:00.0": {"enforced_power_limit_milliwatts": 450000}}`): the scenario file stays as
+written, and every process using the same scenario (an exporter, the next gpu-fleet-node)
+sees the new limit, as they would see a real card's. Delete the settings file to reset.
+
+The scenario file is re-read when it changes, so editing a value shows on the next scrape, and
 appending to `xid_events` delivers the new Xids. A GPU stays lost until the next fresh
 `nvmlInit`; it comes back then only if the file no longer makes it lost.
 """
@@ -59,6 +69,7 @@ appending to `xid_events` delivers the new Xids. A GPU stays lost until the next
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import threading
 import time
@@ -190,7 +201,15 @@ class HangScenario(_Strict):
 
 # Keys of a GPU that are not data (and so cannot be listed in `not_supported`).
 _CONTROL_KEYS = frozenset(
-    {"pci_bus_id", "pci_device_id", "pci_subsystem_id", "not_supported", "lost_after_calls", "hang"}
+    {
+        "pci_bus_id",
+        "pci_device_id",
+        "pci_subsystem_id",
+        "not_supported",
+        "lost_after_calls",
+        "hang",
+        "power_limit_read_only",
+    }
 )
 
 
@@ -234,6 +253,7 @@ class GpuScenario(_Strict):
     not_supported: list[str] = Field(default_factory=list)
     lost_after_calls: int | None = Field(default=None, ge=0)
     hang: HangScenario | None = None
+    power_limit_read_only: bool = False
 
     @field_validator("pci_bus_id")
     @classmethod
@@ -392,6 +412,8 @@ class FakeNvml:
         self._hangs_done: dict[str, int] = {}
         self._xids_delivered: dict[str, int] = {}
         self._release = threading.Event()
+        # Power limits set through nvmlDeviceSetPowerManagementLimit, shared between processes.
+        self._settings_path = Path(str(self._path) + ".settings.json")
 
     # -- test and demo controls (not NVML) ---------------------------------------------------
 
@@ -547,10 +569,39 @@ class FakeNvml:
         return _supported(gpu, "power_usage_milliwatts", gpu.power_usage_milliwatts)
 
     def nvmlDeviceGetEnforcedPowerLimit(self, handle: object) -> int:
-        """The limit in force, mW."""
+        """The limit in force, mW: the last one set, else the scenario's."""
         gpu = self._device(handle, "nvmlDeviceGetEnforcedPowerLimit")
         limits = _supported(gpu, "power_limit_milliwatts", gpu.power_limit_milliwatts)
-        return _supported(gpu, "power_limit_milliwatts", limits.enforced)
+        enforced = _supported(gpu, "power_limit_milliwatts", limits.enforced)
+        setting = self._settings().get(gpu.pci_bus_id, {}).get("enforced_power_limit_milliwatts")
+        return int(setting) if isinstance(setting, int) else enforced
+
+    def nvmlDeviceSetPowerManagementLimit(self, handle: object, limit: int) -> None:
+        """Record a new enforced limit (mW) in the settings file, within `min`..`max`."""
+        gpu = self._device(handle, "nvmlDeviceSetPowerManagementLimit")
+        limits = _supported(gpu, "power_limit_milliwatts", gpu.power_limit_milliwatts)
+        low = _supported(gpu, "power_limit_milliwatts", limits.min)
+        high = _supported(gpu, "power_limit_milliwatts", limits.max)
+        if gpu.power_limit_read_only:
+            raise _fail(pynvml.NVML_ERROR_NO_PERMISSION)
+        if not low <= limit <= high:
+            raise _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        with self._lock:
+            settings = self._settings()
+            settings.setdefault(gpu.pci_bus_id, {})["enforced_power_limit_milliwatts"] = limit
+            temporary = self._settings_path.with_name(self._settings_path.name + ".tmp")
+            temporary.write_text(json.dumps(settings, indent=2) + "\n")
+            temporary.replace(self._settings_path)  # atomic: another process never reads half
+
+    def _settings(self) -> dict[str, dict[str, Any]]:
+        try:
+            data = json.loads(self._settings_path.read_text())
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as err:
+            log.warning("fake NVML ignores its settings file %s: %s", self._settings_path, err)
+            return {}
+        return data if isinstance(data, dict) else {}
 
     def nvmlDeviceGetPowerManagementDefaultLimit(self, handle: object) -> int:
         """The default limit, mW."""

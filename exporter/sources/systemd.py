@@ -250,3 +250,25 @@ def _descendants_by_parent(pid: int, procfs: str) -> set[int]:
                 found.add(child)
                 todo.append(child)
     return found
+
+
+def run_unit_job(
+    action: str, unit: str, *, systemctl: str = SYSTEMCTL, timeout: float = 120.0
+) -> tuple[int, str]:
+    """Run `systemctl ACTION UNIT` (start, stop, restart): its exit status and stderr.
+
+    An argv list, never a shell; `unit` must already have been checked against the roster.
+    Raises `SystemdError` when systemctl cannot be run or does not return within `timeout`.
+    """
+    if action not in ("start", "stop", "restart"):
+        raise ValueError(f"not a unit job: {action!r}")
+    command = [systemctl, action, unit]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
+    except FileNotFoundError:
+        raise SystemdError(f"{systemctl} not found on PATH") from None
+    except subprocess.TimeoutExpired:
+        raise SystemdError(f"{systemctl} {action} did not return within {timeout:g} s") from None
+    except OSError as exc:
+        raise SystemdError(f"cannot run {systemctl}: {exc}") from None
+    return done.returncode, done.stderr.strip()

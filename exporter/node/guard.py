@@ -1,36 +1,32 @@
-"""`gpu-fleet-node`: the host-side helper. Built so far: the port guard (`guard-port`).
+"""`guard-port`: free a server's port from a stale process of its own program.
 
-    gpu-fleet-node guard-port SERVER [--config ROSTER] [--host NAME]
-                                     [--term-timeout SECONDS] [--free-timeout SECONDS]
+Used two ways. As the server unit's `ExecStartPre=` (with systemd's `+` prefix, so it runs with
+full privileges even when the unit has `User=`)::
 
-`guard-port` is meant for the server unit's `ExecStartPre=` (with systemd's `+` prefix, so it
-runs with full privileges even when the unit has `User=`)::
+    ExecStartPre=+/opt/gpu-fleet/bin/gpu-fleet-node guard-port %i --config /etc/gpu-fleet/...
 
-    ExecStartPre=+/usr/local/bin/gpu-fleet-node guard-port alpha
+and as a verb of the remediator (`guard-port SERVER` over `--ssh`). It finds who listens on the
+server's port (from the roster URL) and:
 
-It finds who listens on the server's port (from the roster URL) and:
-
-- nobody: exit 0;
+- nobody: outcome `free`;
 - a stale process of the unit's own program (the same executable, by resolved path, as the
   unit's `ExecStart=`; the kernel's " (deleted)" mark of a replaced binary is ignored): log the
-  evidence (pid, cmdline, owner, start time), SIGTERM it, SIGKILL it after `--term-timeout`
-  seconds if it is still there, wait for the port to be free (`--free-timeout`), exit 0;
-- the unit's current main process: nothing to do, exit 0 (it is never killed);
+  evidence (pid, cmdline, owner, start time), SIGTERM it, SIGKILL it after `term_timeout`
+  seconds if it is still there, wait for the port to be free (`free_timeout`): `cleared`;
+- the unit's current main process: nothing to do (it is never killed): `own-main`;
 - anything else (another program, pid 1, the main process of another roster unit, a process of
-  another running service): kill nothing, say what holds the port, exit 1, so the unit does not
-  start into a port it cannot bind (systemd shows the message in `systemctl status`).
+  another running service): kill nothing, say what holds the port: `refused`;
+- a port still held after the stale process was stopped: `still-held`.
 
 When the guard itself cannot work (no roster, a bad roster, an unknown host or server,
-`systemctl` failing, no privilege to see the holder) it says so loudly on stderr (journald
-keeps it) and exits 0: it must never be the reason a healthy server cannot start.
-
-Every other verb, and the `--ssh` forced-command mode, is planned work: they say "not built
-yet" and exit 2, so that nobody wires an `authorized_keys` entry to something that does nothing.
+`systemctl` failing, no privilege to see the holder) the outcome is `cannot-check`: as
+`ExecStartPre=` it says so loudly on stderr (journald keeps it) and exits 0, because it must
+never be the reason a healthy server cannot start. The exit code of each outcome is the
+caller's business (`exporter.node.cli`); `GuardResult` carries what was found and done.
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import errno
 import os
@@ -40,10 +36,9 @@ import shlex
 import signal
 import sys
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NoReturn, TextIO
+from typing import Any, TextIO
 
 from exporter.roster import DEFAULT_ROSTER_PATH, RosterError, load_roster, resolve_host_name
 from exporter.sources.procnet import (
@@ -59,11 +54,6 @@ from exporter.sources.procnet import (
 )
 from exporter.sources.systemd import SystemdError, UnitStatus, show_units, unit_pids
 
-EXIT_OK = 0
-EXIT_REFUSED = 1
-EXIT_USAGE = 2
-
-BUILT_VERBS = ("guard-port",)
 PRIVILEGE = "root, or CAP_SYS_PTRACE and CAP_DAC_READ_SEARCH (and CAP_KILL to act)"
 DEFAULT_TERM_TIMEOUT = 10.0
 DEFAULT_FREE_TIMEOUT = 10.0
@@ -78,138 +68,51 @@ ALIVE_STATES = frozenset({"active", "reloading", "refreshing", "activating", "de
 # A unit name as the kernel shows it in /proc/PID/cgroup; checked before it goes to systemctl.
 _SERVICE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9:_.\\@-]{0,250}\.service$")
 
-
-def _not_built(what: str) -> int:
-    print(
-        f"gpu-fleet-node: {what} is not built yet (built so far: {', '.join(BUILT_VERBS)}); "
-        "nothing was done",
-        file=sys.stderr,
-    )
-    return EXIT_USAGE
-
-
-class _GuardArgumentError(Exception):
-    """A bad `guard-port` command line (reported, then the unit is let start)."""
+# Outcomes; the first three leave the port usable by the unit.
+FREE = "free"
+CLEARED = "cleared"
+OWN_MAIN = "own-main"
+REFUSED = "refused"
+STILL_HELD = "still-held"
+CANNOT_CHECK = "cannot-check"
+GOOD_OUTCOMES = frozenset({FREE, CLEARED, OWN_MAIN})
 
 
-class _GuardParser(argparse.ArgumentParser):
-    """An argument parser that raises instead of exiting 2.
+@dataclass
+class GuardResult:
+    """What the guard found and did."""
 
-    A typo in an `ExecStartPre=` line must not keep a healthy server from starting: the guard
-    reports it loudly and lets the unit start, as for every other way it cannot work.
-    """
+    outcome: str = CANNOT_CHECK
+    port: int | None = None
+    holders: list[dict[str, Any]] = field(default_factory=list)
+    stopped: list[int] = field(default_factory=list)
+    log: list[str] = field(default_factory=list)
 
-    def error(self, message: str) -> NoReturn:
-        raise _GuardArgumentError(message)
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = _GuardParser(
-        prog="gpu-fleet-node",
-        description="Host-side helper of gpu-fleet: the ExecStartPre= port guard.",
-    )
-    sub = parser.add_subparsers(dest="verb", metavar="VERB", parser_class=_GuardParser)
-    guard = sub.add_parser(
-        "guard-port",
-        help="free a server's port from a stale process of its own program (ExecStartPre=)",
-        description="Clear a stale process of the unit's own program from the server's port; "
-        "refuse (exit 1) when another program holds it; exit 0 when the guard cannot check.",
-    )
-    guard.add_argument("server", metavar="SERVER", help="the server's name in the roster")
-    guard.add_argument(
-        "--config",
-        type=Path,
-        default=DEFAULT_ROSTER_PATH,
-        help=f"the roster (default {DEFAULT_ROSTER_PATH})",
-    )
-    guard.add_argument(
-        "--host",
-        default=None,
-        help="which roster host this is (default: /etc/gpu-fleet/host, else the hostname)",
-    )
-    guard.add_argument(
-        "--term-timeout",
-        type=_seconds,
-        default=DEFAULT_TERM_TIMEOUT,
-        help=f"seconds from SIGTERM to SIGKILL (default {DEFAULT_TERM_TIMEOUT:g})",
-    )
-    guard.add_argument(
-        "--free-timeout",
-        type=_seconds,
-        default=DEFAULT_FREE_TIMEOUT,
-        help=f"seconds to wait for the port to be free (default {DEFAULT_FREE_TIMEOUT:g})",
-    )
-    return parser
-
-
-def _seconds(text: str) -> float:
-    value = float(text)
-    if not 0 < value <= 600:
-        raise ValueError(text)
-    return value
-
-
-_seconds.__name__ = "seconds"  # argparse names the type in its error: "invalid seconds value"
-_VALUE_OPTIONS = frozenset({"--config", "--host", "--term-timeout", "--free-timeout"})
-
-
-def _server_argument(args: list[str]) -> str:
-    """The SERVER of a `guard-port` command line argparse refused, for the log line."""
-    skip = False
-    for arg in args:
-        if skip:
-            skip = False
-        elif arg in _VALUE_OPTIONS:
-            skip = True
-        elif not arg.startswith("-"):
-            return arg
-    return "?"
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run `gpu-fleet-node`; returns the exit status."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    if "--ssh" in args:
-        return _not_built("the --ssh forced-command mode")
-    verb = next((arg for arg in args if not arg.startswith("-")), None)
-    if verb is not None and verb not in BUILT_VERBS:
-        return _not_built(f"the verb {verb!r}")
-    parser = _parser()
-    try:
-        options = parser.parse_args(args)
-    except _GuardArgumentError as exc:
-        if verb is None:
-            parser.print_usage(sys.stderr)
-            print(f"gpu-fleet-node: error: {exc}", file=sys.stderr)
-            return EXIT_USAGE
-        Log(_server_argument(args[args.index(verb) + 1 :])).cannot_check(f"bad arguments: {exc}")
-        return EXIT_OK
-    if options.verb is None:
-        parser.print_usage(sys.stderr)
-        return EXIT_USAGE
-    return guard_port(
-        options.server,
-        config=options.config,
-        host=options.host,
-        term_timeout=options.term_timeout,
-        free_timeout=options.free_timeout,
-    )
-
-
-# ---------------------------------------------------------------------------------------------
-# guard-port
-# ---------------------------------------------------------------------------------------------
+    def as_dict(self) -> dict[str, Any]:
+        """The JSON `result` of the verb."""
+        return {
+            "outcome": self.outcome,
+            "port": self.port,
+            "holders": self.holders,
+            "stopped": self.stopped,
+            "log": self.log,
+        }
 
 
 class Log:
-    """The guard's messages, one line each on stderr (journald keeps a unit's stderr)."""
+    """The guard's messages, one line each on stderr (journald keeps a unit's stderr).
+
+    Every line is kept in `lines` too, for the verb's JSON answer.
+    """
 
     def __init__(self, server: str, stream: TextIO | None = None) -> None:
         self.prefix = f"gpu-fleet-node guard-port {server}: "
         self.stream = stream
+        self.lines: list[str] = []
 
     def say(self, message: str) -> None:
         """One line of the guard's log."""
+        self.lines.append(message)
         print(self.prefix + message, file=self.stream or sys.stderr, flush=True)
 
     def cannot_check(self, why: str) -> None:
@@ -281,22 +184,24 @@ def guard_port(
     procfs: str = "/proc",
     sysfs: str = "/sys",
     log: Log | None = None,
-) -> int:
-    """Free `server_name`'s port from a stale process of its own program; the exit status."""
+) -> GuardResult:
+    """Free `server_name`'s port from a stale process of its own program."""
     log = log or Log(server_name)
+    result = GuardResult(log=log.lines)
     try:
         roster = load_roster(config)
         host_name = resolve_host_name(roster, host)
     except RosterError as exc:
         log.cannot_check(str(exc))
-        return EXIT_OK
+        return result
     servers = roster.hosts[host_name].servers
     server = servers.get(server_name)
     if server is None:
         known = ", ".join(sorted(servers)) or "none"
         log.cannot_check(f"{config}: host {host_name!r} has no server {server_name!r} ({known})")
-        return EXIT_OK
+        return result
     port = url_port(server.url)
+    result.port = port
     try:
         # All the host's units in one call: their main processes must never be taken for
         # stale ones, even when a misconfigured sibling listens on this port.
@@ -304,11 +209,11 @@ def guard_port(
         statuses = show_units(units)
     except SystemdError as exc:
         log.cannot_check(str(exc))
-        return EXIT_OK
+        return result
     status = statuses[server.unit]
     if status.exec_start_path is None:
         log.cannot_check(f"systemd reports no ExecStart= executable for {server.unit}")
-        return EXIT_OK
+        return result
     program = os.path.realpath(status.exec_start_path)
     guard = _Guard(
         log=log,
@@ -319,12 +224,28 @@ def guard_port(
         program=program,
         procfs=procfs,
         sysfs=sysfs,
+        result=result,
     )
     try:
-        return guard.run(term_timeout=term_timeout, free_timeout=free_timeout)
+        result.outcome = guard.run(term_timeout=term_timeout, free_timeout=free_timeout)
     except ProcNetError as exc:
         log.cannot_check(str(exc))
-        return EXIT_OK
+        result.outcome = CANNOT_CHECK
+    return result
+
+
+def _holder_evidence(holder: _Holder) -> dict[str, Any]:
+    info = holder.info
+    cmdline = shlex.join(info.cmdline)
+    return {
+        "pid": info.pid,
+        "comm": info.comm,
+        "exe": info.exe,
+        "cmdline": cmdline[:MAX_CMDLINE],
+        "user": info.user,
+        "start_time": info.start_time,
+        "verdict": holder.verdict,
+    }
 
 
 @dataclass
@@ -337,17 +258,19 @@ class _Guard:
     program: str
     procfs: str
     sysfs: str
+    result: GuardResult
 
     def listening(self) -> set[int]:
         """Inodes of the sockets listening on the port now."""
         by_port = read_listeners(procfs=self.procfs, ports={self.port})
         return {sock.inode for sock in by_port.get(self.port, [])}
 
-    def run(self, *, term_timeout: float, free_timeout: float) -> int:
+    def run(self, *, term_timeout: float, free_timeout: float) -> str:
+        """Check the port and act; the outcome."""
         inodes = self.listening()
         if not inodes:
             self.log.say(f"port {self.port} is free")
-            return EXIT_OK
+            return FREE
         own = unit_pids(self.status, sysfs=self.sysfs, procfs=self.procfs)
         # Every holder, not just one: a socket shared by a parent and its child is freed only
         # when both are gone, and each of them must pass the checks below.
@@ -367,7 +290,7 @@ class _Guard:
                     f"no process visible in {self.procfs} holds port {self.port} (hidepid=, or "
                     "another PID namespace?)"
                 )
-            return EXIT_OK
+            return CANNOT_CHECK
 
         holders: dict[int, _Holder] = {}
         for inode, pids in scan.holders.items():
@@ -382,6 +305,7 @@ class _Guard:
             return self.wait_free(inodes, free_timeout)
         for holder in holders.values():
             holder.verdict = self.judge(holder.info)
+            self.result.holders.append(_holder_evidence(holder))
         refused = [h for h in holders.values() if h.verdict not in ("stale", "main", "unknown")]
         if refused:
             # A holder known to be off limits is reason enough, whatever else is unknown.
@@ -395,12 +319,12 @@ class _Guard:
                 f"the unit cannot bind it: stop that program or move one of them to another "
                 f"port (check: ss -ltnp 'sport = :{self.port}')"
             )
-            return EXIT_REFUSED
+            return REFUSED
         if any(h.verdict == "unknown" for h in holders.values()):
             self.log.cannot_check(
                 f"cannot read which program holds port {self.port}; the guard needs {PRIVILEGE}"
             )
-            return EXIT_OK
+            return CANNOT_CHECK
         stale = [h for h in holders.values() if h.verdict == "stale"]
         if not stale:
             pid = next(iter(holders))
@@ -408,7 +332,7 @@ class _Guard:
                 f"port {self.port} is held by {self.unit}'s own main process (pid {pid}); "
                 "nothing to do"
             )
-            return EXIT_OK
+            return OWN_MAIN
         for holder in stale:
             self.log.say(
                 f"port {self.port} is held by a stale process of {self.unit}'s program "
@@ -418,7 +342,8 @@ class _Guard:
             _terminate([h.info for h in stale], term_timeout, self.procfs, self.log)
         except PermissionError as exc:
             self.log.cannot_check(f"not allowed to signal the stale process ({exc.strerror})")
-            return EXIT_OK
+            return CANNOT_CHECK
+        self.result.stopped = [h.info.pid for h in stale]
         # Only the sockets the stale processes held must go (the main process keeps its own).
         mine = set().union(*(h.inodes for h in holders.values() if h.verdict == "main"))
         return self.wait_free(inodes - mine, free_timeout)
@@ -458,8 +383,8 @@ class _Guard:
             self.statuses[unit] = known
         return known.active_state
 
-    def wait_free(self, inodes: set[int], timeout: float) -> int:
-        """Wait until none of `inodes` listens on the port any more; the exit status."""
+    def wait_free(self, inodes: set[int], timeout: float) -> str:
+        """Wait until none of `inodes` listens on the port any more; the outcome."""
         deadline = time.monotonic() + timeout
         while inodes & self.listening():
             if time.monotonic() >= deadline:
@@ -467,10 +392,10 @@ class _Guard:
                     f"port {self.port} is still held {timeout:g} s later; the unit cannot "
                     f"bind it (check: ss -ltnp 'sport = :{self.port}')"
                 )
-                return EXIT_REFUSED
+                return STILL_HELD
             time.sleep(POLL_SECONDS)
         self.log.say(f"port {self.port} is free; letting the unit start")
-        return EXIT_OK
+        return CLEARED
 
 
 # ---------------------------------------------------------------------------------------------
@@ -582,7 +507,3 @@ def _signal_all(targets: list[_Target], signum: signal.Signals, log: Log) -> Non
         target.signal(signum)
         if not target.gone:
             log.say(f"sent {signum.name} to pid {target.info.pid}")
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,44 @@
+"""A unit's recent journal lines, from `journalctl` as found on PATH.
+
+`journalctl -u UNIT -n N --no-pager -o short-iso` (journalctl(1)): one entry a line, an ISO 8601
+timestamp, the host, the identifier and pid, the message. Run as found on PATH, like
+`systemctl`, so that operators and tests can interpose their own; an argv list, never a shell.
+
+Manual check: `journalctl -u llama-server@alpha.service -n 50 --no-pager -o short-iso`.
+"""
+
+from __future__ import annotations
+
+import subprocess
+
+JOURNALCTL = "journalctl"
+MAX_LINE_CHARS = 2000  # a log line can be a whole prompt; evidence keeps the start of it
+
+
+class JournalError(Exception):
+    """journalctl could not be run, or failed."""
+
+
+def unit_journal(
+    unit: str, *, lines: int = 50, journalctl: str = JOURNALCTL, timeout: float = 10.0
+) -> list[str]:
+    """The last `lines` journal lines of `unit`, each cut to `MAX_LINE_CHARS`.
+
+    `unit` must already have been checked against the roster. Raises `JournalError`.
+    """
+    command = [journalctl, "-u", unit, "-n", str(lines), "--no-pager", "-o", "short-iso"]
+    try:
+        done = subprocess.run(
+            command, capture_output=True, timeout=timeout, check=False, stdin=subprocess.DEVNULL
+        )
+    except FileNotFoundError:
+        raise JournalError(f"{journalctl} not found on PATH") from None
+    except subprocess.TimeoutExpired:
+        raise JournalError(f"{journalctl} did not answer within {timeout:g} s") from None
+    except OSError as exc:
+        raise JournalError(f"cannot run {journalctl}: {exc}") from None
+    if done.returncode != 0:
+        stderr = done.stderr.decode("utf-8", "replace").strip()[:MAX_LINE_CHARS]
+        raise JournalError(f"{journalctl} exited {done.returncode}: {stderr}")
+    text = done.stdout.decode("utf-8", "replace")
+    return [line[:MAX_LINE_CHARS] for line in text.splitlines()[-lines:]]

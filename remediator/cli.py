@@ -135,7 +135,7 @@ def _serve(services: Services) -> int:
         print(f"gpu-fleet-remediator: cannot listen on {config.listen}: {exc}", file=sys.stderr)
         return EXIT_RUNTIME
     assert services.engine is not None
-    services.engine.start()
+    services.start()  # the engine, and the Zulip sender when reports are configured
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         del frame

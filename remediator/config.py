@@ -16,11 +16,31 @@ The keys are fixed by DESIGN.md ("The remediator's config"); the last block adds
       stream: agent-hub
       topics: {gpu: alerts-gpu, inference: alerts-gpu, infra: alerts-infra}  # category → topic
       default_topic: gpu-fleet                # alerts whose category has no topic (default)
+      escalate_to: [oncall@example.org]       # optional: escalations also as direct messages
+      grafana_url: https://grafana.example.org/d/gpu-fleet   # optional: a dashboard to link
+      alertmanager_url: https://alertmanager.example.org     # optional: silence links
     replica_id: central-1                     # default: this machine's hostname
     workers: 4                                # threads that run playbooks
     retention_days: 30                        # how long the journal keeps finished runs
     limits: {max_concurrent_runs: 4, max_runs_per_hour: 30}   # fleet-wide caps
     lock_ttl_seconds: 900                     # a dead replica's target lock expires after this
+
+What host actions need (all optional; the defaults shown):
+
+    ssh:                                      # the OpenSSH client that reaches gpu-fleet-node
+      binary: ssh                             # a program on PATH or an absolute path
+      identity_file: /etc/gpu-fleet/ssh/id_ed25519   # optional: only this key (IdentitiesOnly)
+      known_hosts_file: /etc/gpu-fleet/ssh/known_hosts  # optional: strict checking is always on
+      connect_timeout_seconds: 10
+    node_command: [gpu-fleet-node]            # for roster hosts with `local: true`
+    http_request:
+      allowed_urls: [http://127.0.0.1:4000/reload]   # the only URLs `http_request` may call
+    redis:                                    # optional: for `redis_delete`
+      url: redis://127.0.0.1:6379/0           # no password in the URL: password_file
+      password_file: /etc/gpu-fleet/redis.password   # optional
+      allowed_key_patterns: ["router:breaker:*"]     # glob (* ? [abc]); only such keys go
+    power_cap:
+      check_interval_seconds: 60              # how often due power-cap restores are checked
 
 Relative paths are taken from the config file's directory. Unknown keys are refused (a typo
 must stop the start, not be ignored), and every problem is reported at once, one line each:
@@ -250,7 +270,44 @@ def _zuliprc_file(value: Path, info: ValidationInfo) -> Path:
     site = urlsplit(parser.get("api", "site"))
     if site.scheme not in ("http", "https") or not site.hostname:
         raise ValueError(f"{path}: [api] site must be an http:// or https:// URL")
+    if site.scheme == "http" and not _loopback(site.hostname):
+        # The bot's key goes with every request (basic auth): never in clear over a network.
+        raise ValueError(f"{path}: [api] site must be https:// (http:// only on loopback)")
+    if parser.get("api", "insecure", fallback="false").strip().lower() != "false":
+        raise ValueError(
+            f"{path}: [api] insecure would turn TLS verification off: remove it (give a "
+            "private CA as cert_bundle instead)"
+        )
     return path
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _http_url(value: str) -> str:
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError("must be an http:// or https:// URL with a host")
+    if parts.username is not None or parts.password is not None:
+        raise ValueError("secrets come from files, never inline in YAML: no credentials in the URL")
+    return value.rstrip("/")
+
+
+_EMAIL = re.compile(r"^[^@\s,]+@[^@\s,]+$")
+
+
+def _email(value: str) -> str:
+    # Zulip's own check is the judge; this one catches typos at start-up (a missing @, a
+    # list pasted as one string).
+    if not _EMAIL.match(value):
+        raise ValueError(f"{value!r} is not an e-mail address (one Zulip user per entry)")
+    return value
 
 
 SecretFile = Annotated[Path, AfterValidator(_secret_file)]
@@ -316,6 +373,9 @@ class ZulipSettings(_Strict):
     stream: str = Field(min_length=1, max_length=_ZULIP_NAME_MAX)
     topics: dict[str, Annotated[str, Field(min_length=1, max_length=_ZULIP_NAME_MAX)]] = {}
     default_topic: str = Field(default="gpu-fleet", min_length=1, max_length=_ZULIP_NAME_MAX)
+    escalate_to: list[Annotated[str, AfterValidator(_email)]] = Field(default=[], max_length=50)
+    grafana_url: Annotated[str, AfterValidator(_http_url)] | None = None
+    alertmanager_url: Annotated[str, AfterValidator(_http_url)] | None = None
 
     @field_validator("topics")
     @classmethod
@@ -324,6 +384,75 @@ class ZulipSettings(_Strict):
             if not _LABEL_VALUE.match(category):
                 raise ValueError(f"category {category!r} is not a plain label value")
         return value
+
+
+_PROGRAM = re.compile(r"^[A-Za-z0-9_./+-]{1,4096}$")
+_NODE_ARG = re.compile(r"^[A-Za-z0-9_./+=:@-]{1,4096}$")
+
+
+def _program(value: str) -> str:
+    # A program name or path, run without a shell: keep it to characters that need no quoting.
+    if not _PROGRAM.match(value) or value.startswith("-"):
+        raise ValueError(f"{value!r} is not a program name or path")
+    return value
+
+
+AllowedUrl = Annotated[str, AfterValidator(_http_url)]
+ProgramName = Annotated[str, AfterValidator(_program)]
+
+
+class SshClientSettings(_Strict):
+    """The OpenSSH client that reaches `gpu-fleet-node` on the hosts (`ssh:`)."""
+
+    binary: ProgramName = "ssh"
+    identity_file: ReadableFile | None = None
+    known_hosts_file: ReadableFile | None = None
+    connect_timeout_seconds: int = Field(default=10, ge=1, le=300)
+
+
+class HttpRequestSettings(_Strict):
+    """`http_request:` the only URLs the `http_request` action may call (exact match)."""
+
+    allowed_urls: list[AllowedUrl] = Field(default=[], max_length=200)
+
+
+def _redis_url(value: str) -> str:
+    parts = urlsplit(value)
+    if parts.scheme not in ("redis", "rediss", "unix"):
+        raise ValueError("must be a redis://, rediss:// or unix:// URL")
+    if parts.password is not None:
+        raise ValueError(
+            "secrets come from files, never inline in YAML: give the password as password_file"
+        )
+    if parts.scheme != "unix" and not parts.hostname:
+        raise ValueError("must name a host")
+    return value
+
+
+def _key_pattern(value: str) -> str:
+    if not value or len(value) > 512 or any(c.isspace() for c in value):
+        raise ValueError(f"{value!r}: a key pattern is a non-empty glob without spaces")
+    if value.strip("*?") == "":
+        raise ValueError(f"{value!r} would allow every key: name a prefix")
+    return value
+
+
+RedisUrl = Annotated[str, AfterValidator(_redis_url)]
+KeyPattern = Annotated[str, AfterValidator(_key_pattern)]
+
+
+class RedisSettings(_Strict):
+    """`redis:` where `redis_delete` works, and the only keys it may delete."""
+
+    url: RedisUrl
+    password_file: SecretFile | None = None
+    allowed_key_patterns: list[KeyPattern] = Field(min_length=1, max_length=100)
+
+
+class PowerCapSettings(_Strict):
+    """`power_cap:` how often the engine checks whether a lowered power cap may be restored."""
+
+    check_interval_seconds: float = Field(default=60.0, ge=1, le=3600)
 
 
 def parse_listen(value: str) -> tuple[str, int]:
@@ -366,11 +495,26 @@ class RemediatorConfig(_Strict):
     retention_days: int = Field(default=30, ge=1, le=3650)
     limits: Limits = Limits()
     lock_ttl_seconds: float = Field(default=900.0, ge=10, le=86400)
+    ssh: SshClientSettings = SshClientSettings()
+    node_command: list[str] = Field(default=["gpu-fleet-node"], min_length=1, max_length=16)
+    http_request: HttpRequestSettings = HttpRequestSettings()
+    redis: RedisSettings | None = None
+    power_cap: PowerCapSettings = PowerCapSettings()
 
     @field_validator("listen")
     @classmethod
     def _listen(cls, value: str) -> str:
         parse_listen(value)
+        return value
+
+    @field_validator("node_command")
+    @classmethod
+    def _node_command(cls, value: list[str]) -> list[str]:
+        # Run without a shell: words that need no quoting, the first one a program.
+        _program(value[0])
+        for word in value[1:]:
+            if not _NODE_ARG.match(word):
+                raise ValueError(f"{word!r}: use plain words (letters, digits, _./+=:@-)")
         return value
 
     @field_validator("journal")

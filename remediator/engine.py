@@ -10,6 +10,10 @@ the process died is marked `interrupted` at the next start and reported, never r
 
 The engine does not care which kind of action a step is: actions are looked up by name in the
 registry and run with typed params filled from the roster-resolved target only.
+
+With a `Reporter` (Zulip configured), every end of a run — an outcome, a decision that ran
+nothing, an interruption, an escalation — queues its report in the outbox in the same
+transaction that journals it; a report that cannot be rendered is logged and never stops a run.
 """
 
 from __future__ import annotations
@@ -19,26 +23,31 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 
 from exporter.roster import Roster
+from remediator.actions.power import restore_due_power_caps
 from remediator.actions.registry import (
     ActionContext,
     StepResult,
+    Undo,
     get_action,
     render_params,
     run_action,
 )
+from remediator.actions.settings import ActionSettings
 from remediator.alerts import Alert
 from remediator.journal.store import (
     AlertRecord,
     Journal,
     JournalError,
+    QueuedReport,
     RunRecord,
     RunStateError,
 )
 from remediator.metrics import RemediatorMetrics
+from remediator.notify.report import Reporter
 from remediator.playbooks.loader import Rejection, Target, match_playbook, resolve_target
 from remediator.playbooks.model import Playbook
 from remediator.policy import Limits, judge
@@ -62,7 +71,6 @@ class EngineSettings:
     dry_run: bool
     prometheus_url: str
     lock_ttl: timedelta
-    report_topic: str = "alerts-infra"  # where interruptions and escalations are reported
     poll_seconds: float = 1.0
     heartbeat_seconds: float = 5.0
     prune_seconds: float = 3600.0
@@ -71,6 +79,23 @@ class EngineSettings:
     # journal's write lock (and the GIL) to itself and answers fast.
     ingest_quiet_seconds: float = 0.1
     ingest_max_delay_seconds: float = 1.0
+    # What host actions need (executors, allow-lists); the default lets them refuse clearly.
+    actions: ActionSettings = field(default_factory=ActionSettings)
+
+
+@dataclass
+class RunEffects:
+    """What a run's steps asked of the engine beyond their verdicts (see actions/registry.py).
+
+    `undos`: compensating steps, with the index of the step that asked, run at the end of the
+    run whatever happened; `escalations`: reasons to call people; `finished`: the run ended
+    early and successfully (a false alarm), no further steps and no verification.
+    """
+
+    undos: list[tuple[int, Undo]] = field(default_factory=list)
+    escalations: list[str] = field(default_factory=list)
+    finished: str | None = None
+    undone: bool = False
 
 
 def alert_of(record: AlertRecord) -> Alert:
@@ -97,8 +122,12 @@ class Engine:
         *,
         metrics: RemediatorMetrics,
         clock: Callable[[], datetime] = _utcnow,
+        reporter: Reporter | None = None,
+        on_report: Callable[[], None] | None = None,
     ) -> None:
         self.journal = journal
+        self.reporter = reporter
+        self._on_report = on_report
         self.roster = roster
         self.playbooks = playbooks
         self.settings = settings
@@ -118,20 +147,38 @@ class Engine:
 
         Notifications accepted but not yet ingested when the process died are ingested now.
         """
-        interrupted = self.journal.recover_interrupted()
+        reporter = self.reporter
+        interrupted = self.journal.recover_interrupted(
+            (lambda run: self._reports(reporter.interrupted_reports, run))
+            if reporter is not None
+            else None
+        )
         self.ingest()
         for run_id in interrupted:
             run = self.journal.get_run(run_id)
             playbook = run.playbook if run and run.playbook else "unknown"
             self.metrics.runs.labels(playbook, "interrupted").inc()
-            self.journal.enqueue_report(
-                self.settings.report_topic,
-                f"**Run {run_id} interrupted**: the remediator stopped while `{playbook}` was "
-                f"acting on `{run.target if run else '?'}`. It is not repeated; check the target.",
-                run_id=run_id,
-            )
             log.warning("run %d (%s) was interrupted by a restart; not repeated", run_id, playbook)
+        if interrupted:
+            self._reported()
         return interrupted
+
+    def _reports(
+        self, render: Callable[..., list[QueuedReport]], *args: object, **kwargs: object
+    ) -> list[QueuedReport]:
+        """What `render` makes of a run; nothing (logged) if it fails.
+
+        A report never stops a run, and the journal keeps all the report would have said.
+        """
+        try:
+            return render(*args, **kwargs)
+        except Exception:
+            log.exception("cannot render a report (%s)", getattr(render, "__name__", render))
+            return []
+
+    def _reported(self) -> None:
+        if self._on_report is not None:
+            self._on_report()
 
     def start(self) -> None:
         """Recover from a crash, then start the workers and the heartbeat."""
@@ -204,7 +251,12 @@ class Engine:
         # Another replica's recovery must be able to tell a live run from a dead one. The same
         # thread prunes the journal past its retention now and then, so it does not grow forever.
         next_prune = time.monotonic()
+        next_restore = time.monotonic()
         while not self._stop.wait(self.settings.heartbeat_seconds):
+            if time.monotonic() >= next_restore:
+                interval = self.settings.actions.power_cap_check_interval_seconds
+                next_restore = time.monotonic() + interval
+                self.restore_power_caps()
             if time.monotonic() >= next_prune:
                 next_prune = time.monotonic() + self.settings.prune_seconds
                 try:
@@ -221,11 +273,29 @@ class Engine:
                 except JournalError as exc:
                     log.warning("heartbeat of run %d failed: %s", run_id, exc)
 
+    def restore_power_caps(self) -> list[str]:
+        """Restore due power caps (actions/power.py); never raises (the heartbeat calls it)."""
+        try:
+            return restore_due_power_caps(
+                self.journal,
+                self.roster,
+                self.settings.actions,
+                self.settings.prometheus_url,
+                cancel=self._stop,
+            )
+        except Exception:
+            # Like a broken action: logged, and the heartbeat (run liveness) goes on.
+            log.exception("power-cap restores failed")
+            return []
+
     # -- one run ------------------------------------------------------------------------------
 
     def ingest(self) -> int:
         """Turn notifications the webhook accepted into alerts and runs; how many new runs."""
-        return len(self.journal.ingest_pending().new_run_ids)
+        result = self.journal.ingest_pending()
+        if result.resolved:
+            self._reported()  # resolutions may have queued closing reports
+        return len(result.new_run_ids)
 
     def process_one(self) -> bool:
         """Claim and handle one run; False when the queue is empty (or the fleet is busy)."""
@@ -256,10 +326,44 @@ class Engine:
             count += 1
         return count
 
-    def _decide(self, run: RunRecord, decision: str, reason: str, **kw: str | None) -> None:
-        self.journal.decide(run.id, decision, reason, **kw)
-        self.metrics.runs.labels(kw.get("playbook") or "none", decision).inc()
+    def _decide(
+        self,
+        run: RunRecord,
+        decision: str,
+        reason: str,
+        *,
+        playbook: Playbook | None = None,
+        target: Target | None = None,
+    ) -> None:
+        name = playbook.name if playbook is not None else None
+        key = target.key if target is not None else None
+        reports: list[QueuedReport] = []
+        if self.reporter is not None:
+            # The run as it will read once decided (steps of a dry-run included).
+            current = self.journal.get_run(run.id) or run
+            final = replace(
+                current,
+                state="done",
+                decision=decision,
+                reason=reason,
+                playbook=name or current.playbook,
+                target=key or current.target,
+                finished_at=self._clock(),
+            )
+            verify_query = self._verify_query(playbook, target)
+            reports = self._reports(self.reporter.run_report, final, verify_query=verify_query)
+        self.journal.decide(run.id, decision, reason, playbook=name, target=key, reports=reports)
+        self.metrics.runs.labels(name or "none", decision).inc()
         log.info("run %d: %s (%s)", run.id, decision, reason)
+        if reports:
+            self._reported()
+
+    @staticmethod
+    def _verify_query(playbook: Playbook | None, target: Target | None) -> str | None:
+        """The playbook's verification PromQL for the target: the picture's fallback query."""
+        if playbook is None or target is None or playbook.verify is None:
+            return None
+        return target.fill(playbook.verify.promql) if playbook.verify.promql else None
 
     def handle(self, run: RunRecord) -> None:
         """Decide what a claimed run does, and do it."""
@@ -270,7 +374,7 @@ class Engine:
             return
         target = resolve_target(playbook, alert, self.roster)
         if isinstance(target, Rejection):
-            self._decide(run, "rejected", target.reason, playbook=playbook.name)
+            self._decide(run, "rejected", target.reason, playbook=playbook)
             return
         now = self._clock()
         verdict = judge(
@@ -286,16 +390,15 @@ class Engine:
             self._dry_run(run, playbook, target, verdict.reason)
             return
         if not verdict.may_act:
-            self._decide(run, verdict.decision, verdict.reason, playbook=playbook.name,
-                         target=target.key)  # fmt: skip
+            self._decide(run, verdict.decision, verdict.reason, playbook=playbook, target=target)
             return
-        if self._recurred(playbook, target.key, now):
+        if self._recurred(run, playbook, target, now):
             self._decide(
                 run,
                 "breaker_open",
                 "the alert keeps coming back after heals: acting stopped, people called",
-                playbook=playbook.name,
-                target=target.key,
+                playbook=playbook,
+                target=target,
             )
             return
         if self.journal.count_running() >= self.settings.limits.max_concurrent_runs:
@@ -304,20 +407,26 @@ class Engine:
             self._stop.wait(self.settings.poll_seconds)
             return
         if not self.journal.try_lock(target.key, run.id, self.settings.lock_ttl):
-            self._decide(run, "locked", f"another run is acting on {target.key}",
-                         playbook=playbook.name, target=target.key)  # fmt: skip
+            self._decide(
+                run,
+                "locked",
+                f"another run is acting on {target.key}",
+                playbook=playbook,
+                target=target,
+            )
             return
         try:
             self._execute(run, playbook, target)
         finally:
             self.journal.release_lock(target.key, run.id)
 
-    def _recurred(self, playbook: Playbook, target_key: str, now: datetime) -> bool:
+    def _recurred(self, run: RunRecord, playbook: Playbook, target: Target, now: datetime) -> bool:
         """Count an alert that came back within the window after a heal; True if it opened.
 
         A heal resets the breaker's count, so a count of zero with a recent finished run means
         that run healed, and the alert is back anyway: that heal did not stick.
         """
+        target_key = target.key
         until = self.journal.cooldown_until(target_key, playbook.name)
         breaker = playbook.policy.breaker
         if until is None or until > now:
@@ -327,16 +436,29 @@ class Engine:
         last_finished = until - timedelta(seconds=playbook.policy.cooldown_seconds)
         if now - last_finished > timedelta(seconds=breaker.window_seconds):
             return False
+        why = "the alert keeps coming back after heals"
         opened = self.journal.record_breaker_outcome(
             target_key,
             playbook.name,
             healed=False,
             max_failures=breaker.max_failures,
             window=timedelta(seconds=breaker.window_seconds),
+            on_open=self._escalation_reports(run, playbook, target_key, why),
+            run_id=run.id,
         )
         if opened:
-            self._escalate(playbook, target_key, "the alert keeps coming back after heals")
+            self._escalate(playbook, target_key, why)
         return opened
+
+    def _escalation_reports(
+        self, run: RunRecord, playbook: Playbook, target_key: str, why: str
+    ) -> list[QueuedReport]:
+        if self.reporter is None:
+            return []
+        return self._reports(
+            self.reporter.escalation_reports, run, playbook=playbook.name, target=target_key,
+            why=why,
+        )  # fmt: skip
 
     def _dry_run(self, run: RunRecord, playbook: Playbook, target: Target, reason: str) -> None:
         now = self._clock()
@@ -351,7 +473,7 @@ class Engine:
                 result="skipped",
                 output="dry-run: would run",
             )
-        self._decide(run, "dry_run", reason, playbook=playbook.name, target=target.key)
+        self._decide(run, "dry_run", reason, playbook=playbook, target=target)
 
     def _execute(self, run: RunRecord, playbook: Playbook, target: Target) -> None:
         journal = self.journal
@@ -363,31 +485,57 @@ class Engine:
         deadline = started + playbook.policy.timeout_seconds
         outcome = "done_unverified"
         verification = "no verification configured"
+        effects = RunEffects()
         try:
-            failed_at = self._steps(run, playbook, target, cancel, deadline)
+            failed_at = self._steps(run, playbook, target, cancel, deadline, effects=effects)
+            # Undos (a deployment back into routing) before verification: it checks the whole.
+            self._undo(run, playbook, target, effects)
             if failed_at is not None:
                 outcome, verification = "failed", f"step {failed_at} failed; verification skipped"
+            elif effects.finished is not None:
+                verification = effects.finished
             elif playbook.verify is not None:
                 healed, verification = self._verify(playbook, target, cancel, deadline)
                 outcome = "healed" if healed else "not_healed"
         finally:
+            if not effects.undone:
+                self._undo(run, playbook, target, effects)  # an exception cut the run short
             with self._active_lock:
                 self._active.discard(run.id)
         now = self._clock()
-        journal.finish_run(run.id, outcome=outcome, verification=verification)
+        reports: list[QueuedReport] = []
+        final = run
+        if self.reporter is not None:
+            current = journal.get_run(run.id) or run
+            final = replace(
+                current, state="done", outcome=outcome, verification=verification, finished_at=now
+            )
+            reports = self._reports(
+                self.reporter.run_report,
+                final,
+                verify_query=self._verify_query(playbook, target),
+            )
+        journal.finish_run(run.id, outcome=outcome, verification=verification, reports=reports)
         journal.set_cooldown(
             target.key, playbook.name, now + timedelta(seconds=playbook.policy.cooldown_seconds)
         )
         breaker = playbook.policy.breaker
+        why = f"{breaker.max_failures} runs did not heal"
         opened = journal.record_breaker_outcome(
             target.key,
             playbook.name,
             healed=outcome in HEALED,
             max_failures=breaker.max_failures,
             window=timedelta(seconds=breaker.window_seconds),
+            on_open=self._escalation_reports(final, playbook, target.key, why),
+            run_id=run.id,
         )
         if opened:
-            self._escalate(playbook, target.key, f"{breaker.max_failures} runs did not heal")
+            self._escalate(playbook, target.key, why)
+        for why in effects.escalations:
+            self._step_escalation(final, playbook, target, why)
+        if reports or opened or effects.escalations:
+            self._reported()
         self.metrics.runs.labels(playbook.name, outcome).inc()
         self.metrics.run_duration.labels(playbook.name).observe(time.monotonic() - started)
         log.info("run %d: %s on %s: %s", run.id, playbook.name, target.key, outcome)
@@ -399,8 +547,14 @@ class Engine:
         target: Target,
         cancel: threading.Event,
         deadline: float,
+        *,
+        effects: RunEffects | None = None,
     ) -> int | None:
-        """Run the steps in order; the index of the first that failed, or None."""
+        """Run the steps in order; the index of the first that failed, or None.
+
+        What the steps ask beyond their verdicts (undos, escalations, an early finish) is
+        collected in `effects`.
+        """
         for index, step in enumerate(playbook.steps):
             registered = get_action(step.action)
             params = registered.params_model.model_validate(render_params(step.params, target))
@@ -417,8 +571,18 @@ class Engine:
                 deadline=time.monotonic() + timeout,
                 cancel=cancel,
                 dry_run=False,
+                settings=self.settings.actions,
+                journal=self.journal,
+                run_id=run.id,
             )
             result: StepResult = run_action(context, step.action, params, timeout)
+            if effects is not None:
+                if result.undo is not None:
+                    effects.undos.append((index, result.undo))
+                if result.escalate is not None:
+                    effects.escalations.append(result.escalate)
+                if result.ok and result.finish is not None:
+                    effects.finished = result.finish
             self.journal.record_step(
                 run.id,
                 index,
@@ -429,15 +593,83 @@ class Engine:
                 result="ok" if result.ok else "failed",
                 output=result.output,
             )
-            if not result.ok:
+            finished = effects is not None and effects.finished is not None and result.ok
+            if not result.ok or finished:
+                why = f"step {index} failed" if not result.ok else f"step {index} ended the run"
                 for later, rest in enumerate(playbook.steps[index + 1 :], start=index + 1):
                     self.journal.record_step(
                         run.id, later, rest.action, render_params(rest.params, target),
                         started_at=self._clock(), finished_at=self._clock(), result="skipped",
-                        output=f"not run: step {index} failed",
+                        output=f"not run: {why}",
                     )  # fmt: skip
-                return index
+                return index if not result.ok else None
         return None
+
+    def _undo(
+        self, run: RunRecord, playbook: Playbook, target: Target, effects: RunEffects
+    ) -> None:
+        """Run the collected undos, newest first, each journaled as a step after the others.
+
+        Each gets its own time limit and cancel flag: the run's may be spent or set, and a
+        deployment must go back into routing all the same.
+        """
+        if effects.undone:
+            return
+        effects.undone = True
+        for number, (asked_by, undo) in enumerate(reversed(effects.undos)):
+            index = len(playbook.steps) + number
+            shown = undo.params.model_dump(mode="json")
+            begun = self._clock()
+            self.journal.record_step(
+                run.id, index, undo.action, shown, started_at=begun, finished_at=None,
+                result="running", output="",
+            )  # fmt: skip
+            context = ActionContext(
+                target=target,
+                prometheus_url=self.settings.prometheus_url,
+                deadline=time.monotonic() + undo.timeout_seconds,
+                cancel=threading.Event(),
+                dry_run=False,
+                settings=self.settings.actions,
+                journal=self.journal,
+                run_id=run.id,
+            )
+            result = run_action(context, undo.action, undo.params, undo.timeout_seconds)
+            self.journal.record_step(
+                run.id, index, undo.action, shown, started_at=begun, finished_at=self._clock(),
+                result="ok" if result.ok else "failed",
+                output=f"undo of step {asked_by} ({undo.why}): {result.output}",
+            )  # fmt: skip
+            if not result.ok:
+                effects.escalations.append(f"could not undo step {asked_by}: {undo.why}")
+
+    def _step_escalation(
+        self, run: RunRecord, playbook: Playbook, target: Target, why: str
+    ) -> None:
+        """A step asked for people: journal it, count it, and message `escalate_to` if set.
+
+        The run's own report (queued when it finished) shows the step that asked.
+        """
+        detail = f"{playbook.name} on {target.key} asks for people: {why}"
+        self.journal.add_event(
+            "escalation", detail, run_id=run.id, playbook=playbook.name, target=target.key
+        )
+        self.metrics.escalations.labels(playbook.name).inc()
+        log.error("%s", detail)
+        reporter = self.reporter
+        if reporter is None or not reporter.settings.escalate_to:
+            return
+        text = (
+            f"🚨 **Escalation** — `{playbook.name}` on `{target.key}` asks for people: {why} "
+            f"(run #{run.id}, **{run.alert.alertname or 'alert'}**)."
+        )
+        try:
+            self.journal.enqueue_report(
+                reporter.topic(run.alert.labels), text, run_id=run.id,
+                recipients=reporter.settings.escalate_to,
+            )  # fmt: skip
+        except JournalError as exc:
+            log.warning("cannot queue the escalation message of run %d: %s", run.id, exc)
 
     def _verify(
         self, playbook: Playbook, target: Target, cancel: threading.Event, deadline: float

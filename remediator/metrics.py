@@ -11,12 +11,17 @@ Sample output::
     gpufleet_remediator_breaker_open{host="dioscuri",playbook="llama-server-unhealthy",
                                      server="alpha"} 1.0
     gpufleet_remediator_escalations_total{playbook="llama-server-unhealthy"} 1.0
+    gpufleet_remediator_outbox_depth 0.0
+    gpufleet_remediator_outbox_oldest_age_seconds 0.0
+    gpufleet_remediator_outbox_sent_total{kind="stream"} 12.0
+    gpufleet_remediator_outbox_failures_total{reason="unavailable"} 3.0
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from datetime import UTC, datetime
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -52,6 +57,7 @@ class _JournalState:
             breakers = self._journal.open_breakers()
             paused = self._journal.paused()
             maintenance = self._journal.maintenance()
+            outbox_depth, oldest = self._journal.outbox_stats()
         except JournalError as exc:
             log.warning("metrics: journal unreadable: %s", exc)
             up.add_metric([], 0)
@@ -86,6 +92,20 @@ class _JournalState:
         for host in sorted(maintenance):
             hosts.add_metric([host], 1)
         yield hosts
+        unsent = GaugeMetricFamily(
+            "gpufleet_remediator_outbox_depth",
+            "Zulip reports in the journal's outbox not yet sent (fleet-wide).",
+        )
+        unsent.add_metric([], outbox_depth)
+        yield unsent
+        age = GaugeMetricFamily(
+            "gpufleet_remediator_outbox_oldest_age_seconds",
+            "Age of the oldest unsent Zulip report; 0 when the outbox is empty.",
+        )
+        age.add_metric(
+            [], max(0.0, (datetime.now(UTC) - oldest).total_seconds()) if oldest else 0.0
+        )
+        yield age
 
 
 class RemediatorMetrics:
@@ -116,6 +136,19 @@ class RemediatorMetrics:
             "gpufleet_remediator_escalations",
             "Circuit breakers opened: acting stopped and people were called.",
             ["playbook"],
+            registry=self.registry,
+        )
+        self.outbox_sent = Counter(
+            "gpufleet_remediator_outbox_sent",
+            "Zulip reports this replica sent, by kind (stream message or direct message).",
+            ["kind"],
+            registry=self.registry,
+        )
+        self.outbox_failures = Counter(
+            "gpufleet_remediator_outbox_failures",
+            "Attempts to send a Zulip report that failed, by reason: unavailable (no answer, "
+            "5xx), rate_limited (429), refused (retried: fix it in Zulip), rejected (for good).",
+            ["reason"],
             registry=self.registry,
         )
         self.registry.register(_JournalState(journal))

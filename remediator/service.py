@@ -1,7 +1,9 @@
 """Wiring: the journal, roster, playbooks, engine, metrics and secrets a remediator runs on.
 
 `build_services(config)` makes them from a validated config; the web app and the CLI share it,
-so `serve`, `replay` and the tests run the very same engine.
+so `serve`, `replay` and the tests run the very same engine. With a `zulip` section, the
+engine renders reports into the outbox and an `OutboxSender` sends them (started with the
+engine by `Services.start`).
 """
 
 from __future__ import annotations
@@ -10,10 +12,14 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from exporter.roster import Roster, load_roster
+from remediator.actions.settings import action_settings
 from remediator.config import Credential, RemediatorConfig, load_secrets
 from remediator.engine import Engine, EngineSettings
 from remediator.journal.store import Journal
 from remediator.metrics import RemediatorMetrics
+from remediator.notify.report import Reporter, ReportSettings
+from remediator.notify.sender import OutboxSender, SenderSettings
+from remediator.notify.zulip_api import ZulipApi
 from remediator.playbooks.loader import load_playbooks
 from remediator.policy import Limits
 
@@ -29,17 +35,26 @@ class Services:
     metrics: RemediatorMetrics
     webhook: Credential
     admin: Credential
+    sender: OutboxSender | None = None
+
+    def start(self) -> None:
+        """Start the engine's workers and the Zulip sender (`serve`)."""
+        if self.engine is not None:
+            self.engine.start()
+        if self.sender is not None:
+            self.sender.start()
 
     def close(self) -> None:
-        """Stop the engine and close the journal."""
+        """Stop the engine and the sender, and close the journal."""
         if self.engine is not None:
             self.engine.stop()
+        if self.sender is not None:
+            self.sender.stop()
         self.journal.close()
 
 
 def engine_settings(config: RemediatorConfig, *, dry_run: bool | None = None) -> EngineSettings:
     """The engine's settings from the config (`dry_run` overrides the config's)."""
-    topics = config.zulip.topics if config.zulip is not None else {}
     return EngineSettings(
         workers=config.workers,
         limits=Limits(
@@ -49,7 +64,22 @@ def engine_settings(config: RemediatorConfig, *, dry_run: bool | None = None) ->
         dry_run=config.dry_run if dry_run is None else dry_run,
         prometheus_url=config.prometheus_url,
         lock_ttl=timedelta(seconds=config.lock_ttl_seconds),
-        report_topic=topics.get("infra", "alerts-infra"),
+        actions=action_settings(config),
+    )
+
+
+def report_settings(config: RemediatorConfig) -> ReportSettings | None:
+    """Where reports go and what they link to; None without a `zulip` section."""
+    zulip = config.zulip
+    if zulip is None:
+        return None
+    return ReportSettings(
+        stream=zulip.stream,
+        topics=dict(zulip.topics),
+        default_topic=zulip.default_topic,
+        escalate_to=tuple(zulip.escalate_to),
+        grafana_url=zulip.grafana_url,
+        alertmanager_url=zulip.alertmanager_url,
     )
 
 
@@ -66,9 +96,28 @@ def build_services(
         retention=timedelta(days=config.retention_days),
     )
     metrics = RemediatorMetrics(journal)
+    reporting = report_settings(config)
+    reporter = Reporter(reporting, roster) if reporting is not None else None
+    sender = None
+    if with_engine and config.zulip is not None:
+        sender = OutboxSender(
+            journal,
+            ZulipApi(config.zulip.zuliprc),
+            SenderSettings(stream=config.zulip.stream, prometheus_url=config.prometheus_url),
+            metrics=metrics,
+        )
+    if reporter is not None:
+        # A resolution closes its story in the topic, queued with the resolution itself.
+        journal.resolved_reports = reporter.closing_report
     engine = (
         Engine(
-            journal, roster, playbooks, engine_settings(config, dry_run=dry_run), metrics=metrics
+            journal,
+            roster,
+            playbooks,
+            engine_settings(config, dry_run=dry_run),
+            metrics=metrics,
+            reporter=reporter,
+            on_report=sender.wake if sender is not None else None,
         )
         if with_engine
         else None
@@ -81,4 +130,5 @@ def build_services(
         metrics=metrics,
         webhook=secrets.webhook,
         admin=secrets.admin,
+        sender=sender,
     )

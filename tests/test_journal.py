@@ -781,10 +781,10 @@ def test_prune_keeps_open_state_and_deletes_old_rows(
 
 
 def test_schema_version_is_recorded(journal: Journal, journal_url: str) -> None:
-    assert journal.schema_version() == schema.SCHEMA_VERSION == 1
-    assert [r["version"] for r in _rows(journal_url, schema.schema_version)] == [1]
+    assert journal.schema_version() == schema.SCHEMA_VERSION == 2
+    assert [r["version"] for r in _rows(journal_url, schema.schema_version)] == [1, 2]
     Journal(journal_url, replica_id="r2").close()  # opening again migrates nothing
-    assert len(_rows(journal_url, schema.schema_version)) == 1
+    assert len(_rows(journal_url, schema.schema_version)) == 2
 
 
 def test_a_newer_schema_is_refused(journal: Journal, journal_url: str) -> None:

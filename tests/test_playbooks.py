@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 
 from exporter.roster import load_roster, parse_roster
-from remediator.actions.builtin import HttpProbeParams, WaitParams
+from remediator.actions.builtin import HttpProbeParams
+from remediator.actions.host import CaptureEvidenceParams
 from remediator.actions.registry import (
     ActionContext,
     ActionParams,
@@ -146,9 +147,12 @@ def good_with(**changes: Any) -> str:
 def test_builtins_load_and_render_for_the_example_fleet() -> None:
     playbooks = load_playbooks(None)
     names = [p.name for p in playbooks]
-    assert names == ["exporter-down", "llama-server-unhealthy"]  # by file name
+    # By file name; every built-in loads (the full list and what each does:
+    # tests/test_builtin_playbooks.py).
+    files = sorted(BUILTIN_DIR.glob("*.yaml"), key=lambda path: path.name)
+    assert names == [path.stem for path in files]
+    assert {"exporter-down", "llama-server-unhealthy"} <= set(names)
     assert all(p.builtin and p.description for p in playbooks)
-    assert sorted(path.stem for path in BUILTIN_DIR.glob("*.yaml")) == names
 
     roster = load_roster(EXAMPLE_ROSTER)
     host, entry = next((n, h) for n, h in roster.hosts.items() if h.servers)
@@ -158,8 +162,10 @@ def test_builtins_load_and_render_for_the_example_fleet() -> None:
     assert llama is not None and llama.name == "llama-server-unhealthy"
     target = resolve_target(llama, alert("LlamaServerDown", host=host, server=server), roster)
     assert isinstance(target, Target)
-    assert [s.action for s in llama.steps] == ["wait"]
-    assert isinstance(render_step(llama.steps[0], target), WaitParams)
+    assert [s.action for s in llama.steps] == [
+        "capture_evidence", "drain", "restart_server", "wait_healthy",
+    ]  # fmt: skip
+    assert isinstance(render_step(llama.steps[0], target), CaptureEvidenceParams)
     assert llama.verify is not None and llama.verify.probe is not None
     probe = render_step(llama.verify.probe, target)
     assert isinstance(probe, HttpProbeParams)
@@ -199,18 +205,15 @@ def test_extra_dir_comes_first_and_is_ordered_by_file_name(tmp_path: Path) -> No
     write(extra, ".#a-llama.yml", "this is an editor's lock file, not YAML: [")
     write(extra, "notes.txt", "not a playbook")
     playbooks = load_playbooks(extra)
-    assert [p.name for p in playbooks] == [
-        "llama-critical",
-        "gpu-hot",
-        "exporter-down",
-        "llama-server-unhealthy",
-    ]
-    assert [p.builtin for p in playbooks] == [False, False, True, True]
+    builtins = [p.name for p in load_playbooks(None)]
+    assert [p.name for p in playbooks] == ["llama-critical", "gpu-hot", *builtins]
+    assert [p.builtin for p in playbooks] == [False, False] + [True] * len(builtins)
     assert playbooks[0].source == str(extra / "a-llama.yml")
     critical = alert("LlamaServerDown", host="dioscuri", server="alpha", severity="critical")
     warning = alert("LlamaServerDown", host="dioscuri", server="alpha", severity="warning")
     assert match_playbook(playbooks, critical) is playbooks[0]
-    assert match_playbook(playbooks, warning) is playbooks[3]
+    unhealthy = next(p for p in playbooks if p.name == "llama-server-unhealthy")
+    assert match_playbook(playbooks, warning) is unhealthy
 
     gpu_hot = playbooks[1]
     assert [s.timeout_seconds for s in gpu_hot.steps] == [70, 60]  # explicit; wait's default

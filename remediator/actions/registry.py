@@ -15,6 +15,19 @@ templates (`"{server.url}/health"`): `render_params` fills every string from the
 `StepResult`, so one broken action never takes the engine down (STYLE.md, habit 7). Under
 dry-run, actions that change something are not called at all (only `read_only` ones run):
 an action author who forgets to look at `ctx.dry_run` cannot make a dry run act.
+
+Two things a step can hand back to the engine besides its verdict (`StepResult`):
+- `undo`: a compensating step (`Undo`) the engine runs at the end of the run whatever happened
+  after — a later step failing, the run timing out — e.g. `drain` puts a deployment back into
+  the proxy's routing. Undos run in reverse order, before verification, each journaled as a
+  step of its own;
+- `escalate`: a reason to call people now (a crash loop, a power cap at its floor); the engine
+  journals an escalation event, counts it and queues the escalation report;
+- `finish`: the run is over, successfully, without the remaining steps and the verification
+  (a canary that finds a false alarm); the engine journals the reason as the verification.
+
+`ActionContext.settings` carries what host actions need from the config (executors, allowed
+URLs, Redis), `journal` lets an action keep a durable promise (a scheduled power-cap restore).
 """
 
 from __future__ import annotations
@@ -26,11 +39,15 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
+from remediator.actions.settings import ActionSettings
 from remediator.playbooks.model import Step, Target, fill_templates
+
+if TYPE_CHECKING:
+    from remediator.journal.store import Journal
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +87,9 @@ class ActionContext:
     deadline: float
     cancel: threading.Event
     dry_run: bool
+    settings: ActionSettings = field(default_factory=ActionSettings)
+    journal: Journal | None = None
+    run_id: int | None = None
 
     def remaining(self) -> float:
         """Seconds left until the deadline (0 when it has passed)."""
@@ -77,12 +97,33 @@ class ActionContext:
 
 
 @dataclass(frozen=True)
+class Undo:
+    """A compensating step: action `action` with validated `params`, within `timeout_seconds`.
+
+    `why` says what it undoes (journaled with it). It runs with its own time limit, not the
+    run's: putting a deployment back into routing must happen even after the run ran out.
+    """
+
+    action: str
+    params: BaseModel
+    timeout_seconds: float
+    why: str
+
+
+@dataclass(frozen=True)
 class StepResult:
-    """The outcome of one step: success, a one-line human summary, and structured details."""
+    """The outcome of one step: success, a one-line human summary, and structured details.
+
+    `undo` (a compensating step), `escalate` (a reason to call people) and `finish` (the run
+    ends here, successfully) are for the engine; see the module docstring.
+    """
 
     ok: bool
     output: str
     details: dict[str, Any] = field(default_factory=dict)
+    undo: Undo | None = None
+    escalate: str | None = None
+    finish: str | None = None
 
 
 ActionFn = Callable[[ActionContext, Any], StepResult]
@@ -236,5 +277,8 @@ def run_action(
             False,
             f"timeout after {elapsed:.1f} s (limit {limit:.1f} s): {result.output}",
             {**result.details, "timeout": True, "elapsed_seconds": round(elapsed, 3)},
+            # What the action did before it overran must still be undone (and escalated).
+            undo=result.undo,
+            escalate=result.escalate,
         )
     return result

@@ -25,8 +25,13 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Dialect
 
-SCHEMA_VERSION = 1
-"""The version this code reads and writes; `upgrade()` migrates older ones up to it."""
+SCHEMA_VERSION = 2
+"""The version this code reads and writes; `upgrade()` migrates older ones up to it.
+
+Version 2 (Zulip reports): the outbox learns direct messages (`recipients`), the picture of
+an incident (`graph`, `picture`), who is sending an entry (`owner`) and why it last failed
+(`last_error`), and an index for the sender's per-topic order.
+"""
 
 # SQLite's rowid alias must be spelled INTEGER PRIMARY KEY; PostgreSQL gets a 64-bit identity.
 _ID = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
@@ -237,25 +242,50 @@ maintenance = sa.Table(
 )
 
 OUTBOX_STATES = ("pending", "sending", "sent", "failed")
+"""`pending`: not sent yet; `sending`: a send may have happened (look it up in Zulip before
+sending again); `sent`: Zulip has it; `failed`: Zulip refused it for good (kept for people)."""
+
+
+def _outbox_v1_columns() -> list[sa.schema.SchemaItem]:
+    return [
+        sa.Column("id", _ID, primary_key=True, autoincrement=True),
+        sa.Column("created_at", UTCDateTime, nullable=False),
+        sa.Column("topic", sa.Text, nullable=False),
+        sa.Column("content", sa.Text, nullable=False),
+        sa.Column("run_id", _ID, nullable=True),  # no foreign key: a report outlives its run
+        sa.Column("state", sa.String(16), nullable=False),
+        sa.Column("attempts", sa.Integer, nullable=False),
+        sa.Column("next_attempt_at", UTCDateTime, nullable=False),
+        sa.Column("sent_at", UTCDateTime, nullable=True),
+        sa.Column("zulip_message_id", sa.BigInteger, nullable=True),
+        sa.CheckConstraint(
+            "state IN (" + ", ".join(f"'{s}'" for s in OUTBOX_STATES) + ")", name="state"
+        ),
+        sa.Index(None, "state", "next_attempt_at"),
+        sa.Index(None, "created_at"),
+    ]
+
+
+# Version 2's columns, all nullable so that ALTER TABLE … ADD COLUMN works on both databases.
+_OUTBOX_V2_COLUMNS = (
+    # JSON list of e-mail addresses: a direct message to them; NULL: a message in the stream.
+    ("recipients", JSONText),
+    # JSON {"query", "start", "end"}: the picture of the incident, drawn when it is sent.
+    ("graph", JSONText),
+    # The Markdown that shows the uploaded picture (a /user_uploads/… link and its caption),
+    # or "" when none could be drawn: set once, so a retry does not draw and upload again.
+    ("picture", sa.Text),
+    ("owner", sa.Text),  # the replica that last started sending it
+    ("last_error", sa.Text),
+)
 
 outbox = sa.Table(
     "outbox",
     metadata,
-    sa.Column("id", _ID, primary_key=True, autoincrement=True),
-    sa.Column("created_at", UTCDateTime, nullable=False),
-    sa.Column("topic", sa.Text, nullable=False),
-    sa.Column("content", sa.Text, nullable=False),
-    sa.Column("run_id", _ID, nullable=True),  # no foreign key: a report outlives its run
-    sa.Column("state", sa.String(16), nullable=False),
-    sa.Column("attempts", sa.Integer, nullable=False),
-    sa.Column("next_attempt_at", UTCDateTime, nullable=False),
-    sa.Column("sent_at", UTCDateTime, nullable=True),
-    sa.Column("zulip_message_id", sa.BigInteger, nullable=True),
-    sa.CheckConstraint(
-        "state IN (" + ", ".join(f"'{s}'" for s in OUTBOX_STATES) + ")", name="state"
-    ),
-    sa.Index(None, "state", "next_attempt_at"),
-    sa.Index(None, "created_at"),
+    *_outbox_v1_columns(),
+    *(sa.Column(name, type_, nullable=True) for name, type_ in _OUTBOX_V2_COLUMNS),
+    # The sender's question: the oldest unsent entry of each topic.
+    sa.Index(None, "topic", "id"),
 )
 
 
@@ -273,12 +303,29 @@ class NewerSchemaError(Exception):
 
 
 def _create_v1(conn: Connection) -> None:
-    # Version 1 is the tables above as first released. When a version 2 changes a table, this
-    # step must keep creating the version-1 shape (freeze it here) and `_migrate_to_2` alters it.
-    metadata.create_all(conn, checkfirst=True)
+    # Version 1 as first released: every table but the outbox from `metadata` (unchanged
+    # since), the outbox in its frozen version-1 shape; `_migrate_to_2` adds the rest.
+    v1_tables = [table for table in metadata.sorted_tables if table.name != outbox.name]
+    metadata.create_all(conn, tables=v1_tables, checkfirst=True)
+    frozen = sa.MetaData(naming_convention=metadata.naming_convention)
+    sa.Table(outbox.name, frozen, *_outbox_v1_columns()).create(conn, checkfirst=True)
 
 
-MIGRATIONS: dict[int, Callable[[Connection], None]] = {1: _create_v1}
+def _migrate_to_2(conn: Connection) -> None:
+    # ADD COLUMN of a nullable column without a default: instant on both databases.
+    preparer = conn.dialect.identifier_preparer
+    for name, type_ in _OUTBOX_V2_COLUMNS:
+        column_type = type_().compile(dialect=conn.dialect)
+        conn.exec_driver_sql(
+            f"ALTER TABLE {preparer.quote(outbox.name)} ADD COLUMN {preparer.quote(name)} "
+            f"{column_type}"
+        )
+    for index in outbox.indexes:
+        if [c.name for c in index.columns] == ["topic", "id"]:
+            index.create(conn, checkfirst=True)
+
+
+MIGRATIONS: dict[int, Callable[[Connection], None]] = {1: _create_v1, 2: _migrate_to_2}
 """Version N -> the step that migrates a version N-1 database to N (inside one transaction)."""
 
 

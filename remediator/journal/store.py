@@ -14,6 +14,11 @@ to `done` (it will not execute), `requeue()` gives a claimed run back.
 Events the journal writes itself: `paused`, `resumed`, `maintenance_on`, `maintenance_off`,
 `interrupted` (a run cut short by a restart) and `lock_takeover` (an expired lock taken).
 
+Reports for Zulip join the `outbox` in the transaction that journals what they tell
+(`finish_run`, `decide`, `record_breaker_outcome`, `recover_interrupted`, and a resolution
+through the `resolved_reports` hook); the sender (`remediator.notify.sender`) takes them out
+in order per topic, under a lease (`take_lease`) that only one replica holds at a time.
+
 Every database or file-system failure is raised as `JournalError`, whose message names the
 operation and the database (never its password); the webhook answers 5xx on it so that
 Alertmanager retries. `RunStateError`, a `JournalError`, says a run was not in the state an
@@ -164,6 +169,46 @@ class BreakerState:
 
 
 @dataclass(frozen=True)
+class QueuedReport:
+    """A report for the outbox: a message in `topic` of the stream, or a direct message.
+
+    `recipients` (e-mail addresses) make it a direct message; `topic` then only orders it
+    among the reports of its story. `graph` (`{"query", "start", "end"}`) asks the sender for
+    a picture of the metric, drawn and uploaded when the report is sent.
+    """
+
+    topic: str
+    content: str
+    recipients: tuple[str, ...] | None = None
+    graph: Mapping[str, Any] | None = None
+
+
+ReportLike = QueuedReport | tuple[str, str]
+"""A report to queue: a `QueuedReport`, or `(topic, content)` for a plain stream message."""
+
+
+@dataclass(frozen=True)
+class OutboxEntry:
+    """One report in the outbox, as last written."""
+
+    id: int
+    created_at: datetime
+    topic: str
+    content: str
+    run_id: int | None
+    state: str
+    attempts: int
+    next_attempt_at: datetime
+    sent_at: datetime | None
+    zulip_message_id: int | None
+    recipients: tuple[str, ...] | None
+    graph: dict[str, Any] | None
+    picture: str | None
+    owner: str | None
+    last_error: str | None
+
+
+@dataclass(frozen=True)
 class Event:
     """A journaled event (pause, maintenance, escalation, interruption …)."""
 
@@ -246,6 +291,13 @@ class Journal:
         self.replica_id = replica_id
         self.retention = retention
         self._clock = clock
+        self.resolved_reports: Callable[[RunRecord], Sequence[ReportLike]] | None = None
+        """Reports that close the story of an alert that resolved, given its newest run.
+
+        Called inside the transaction that marks the alert resolved (so the closing report
+        is queued exactly when the resolution is journaled); only for alerts that had a run.
+        It must not block: it renders text, nothing more.
+        """
         # Only for an in-memory SQLite database, where every thread shares one connection.
         self._serial: threading.Lock | None = None
         try:
@@ -672,7 +724,9 @@ class Journal:
         ended = _ended_at(alert, now)
         closing = {"status": "resolved", "resolved_at": ended, "last_seen": now}
         exact = sa.update(alerts).where(*self._occurrence(alert), alerts.c.status == "firing")
-        if conn.execute(exact.values(closing)).rowcount:
+        closed = conn.execute(exact.values(closing).returning(alerts.c.id)).scalar()
+        if closed is not None:
+            self._queue_closing_reports(conn, int(closed), now)
             return True
         known = conn.execute(sa.select(alerts.c.id).where(*self._occurrence(alert))).first()
         if known is not None:  # already resolved: a resend
@@ -688,14 +742,37 @@ class Journal:
             .scalar_subquery()
         )
         fallback = sa.update(alerts).where(alerts.c.id == newest_open, alerts.c.status == "firing")
-        if conn.execute(fallback.values(closing)).rowcount:
+        closed = conn.execute(fallback.values(closing).returning(alerts.c.id)).scalar()
+        if closed is not None:
+            self._queue_closing_reports(conn, int(closed), now)
             return True
         tombstone = self._insert_alert(conn, alert, notification_id, now, resolved_at=ended)
         if tombstone is not None:
-            return True
+            return True  # never seen firing: no run, nothing was reported, nothing to close
         # A concurrent transaction inserted the firing occurrence just now (we waited for
         # it on the unique index): it is committed and visible to this new statement.
-        return bool(conn.execute(exact.values(closing)).rowcount)
+        closed = conn.execute(exact.values(closing).returning(alerts.c.id)).scalar()
+        if closed is not None:
+            self._queue_closing_reports(conn, int(closed), now)
+            return True
+        return False
+
+    def _queue_closing_reports(self, conn: Connection, alert_id: int, now: datetime) -> None:
+        hook = self.resolved_reports
+        if hook is None:
+            return
+        newest = self._select_runs(conn, runs.c.alert_id == alert_id, limit=1)
+        if not newest:
+            return
+        try:
+            reports = list(hook(newest[0]))
+        except Exception:
+            # A bug in rendering must not refuse the resolution (Alertmanager would retry the
+            # whole notification forever); the story stays open in Zulip, the log says why.
+            log.exception("cannot render the closing report of alert %d", alert_id)
+            return
+        for report in reports:
+            self._enqueue(conn, report, newest[0].id, now)
 
     # -- the engine path ---------------------------------------------------------------------
 
@@ -762,24 +839,31 @@ class Journal:
         *,
         playbook: str | None = None,
         target: str | None = None,
+        reports: Sequence[ReportLike] = (),
     ) -> None:
-        """A run that will not execute (notify-only, paused, cooldown …): state `done`."""
+        """A run that will not execute (notify-only, paused, cooldown …): state `done`.
+
+        `reports` join the outbox in the same transaction (see `finish_run`).
+        """
+        now = self._clock()
         values: dict[str, Any] = {
             "state": "done",
             "decision": decision,
             "reason": _clean(reason),
-            "finished_at": self._clock(),
+            "finished_at": now,
         }
         if playbook is not None:
             values["playbook"] = playbook
         if target is not None:
             values["target"] = target
-        self._tx(
-            "decide a run",
-            lambda conn: self._transition(
-                conn, run_id, ("pending", "claimed"), values, f"decide run {run_id}"
-            ),
-        )
+
+        def body(conn: Connection) -> None:
+            for report in reports:
+                self._enqueue(conn, report, run_id, now)
+            # After the reports: a run in the wrong state rolls them back with it.
+            self._transition(conn, run_id, ("pending", "claimed"), values, f"decide run {run_id}")
+
+        self._tx("decide a run", body)
 
     def requeue(self, run_id: int, reason: str) -> None:
         """Give a claimed run back (claimed -> pending), keeping `reason` on it."""
@@ -952,7 +1036,7 @@ class Journal:
         *,
         outcome: str,
         verification: str,
-        reports: Sequence[tuple[str, str]] = (),
+        reports: Sequence[ReportLike] = (),
     ) -> None:
         """A run ends (claimed or running -> done) with its outcome.
 
@@ -962,8 +1046,8 @@ class Journal:
         now = self._clock()
 
         def body(conn: Connection) -> None:
-            for topic, content in reports:
-                self._enqueue(conn, topic, content, run_id, now)
+            for report in reports:
+                self._enqueue(conn, report, run_id, now)
             # After the reports: a run in the wrong state rolls them back with it.
             self._transition(
                 conn,
@@ -1032,8 +1116,13 @@ class Journal:
         healed: bool,
         max_failures: int,
         window: timedelta,
+        on_open: Sequence[ReportLike] = (),
+        run_id: int | None = None,
     ) -> bool:
         """Count a run's outcome; True when this call opened the breaker.
+
+        `on_open` (the escalation's reports, of run `run_id`) join the outbox in the same
+        transaction, only when this call opens the breaker.
 
         Not healed: counted in the current window, or starts a new window when the old one
         (window_start + window) has passed; the `max_failures`-th in one window opens the
@@ -1071,6 +1160,9 @@ class Journal:
                     opened_at=now if opening else None,
                 )
             )
+            if opening:
+                for report in on_open:
+                    self._enqueue(conn, report, run_id, now)
             return opening
 
         return self._tx("record a breaker outcome", body)
@@ -1240,7 +1332,9 @@ class Journal:
 
     # -- start-up, reading, outbox, retention ------------------------------------------------
 
-    def recover_interrupted(self) -> list[int]:
+    def recover_interrupted(
+        self, reports_for: Callable[[RunRecord], Sequence[ReportLike]] | None = None
+    ) -> list[int]:
         """At start-up, take back this replica's runs a crash or kill left behind.
 
         Claimed (not yet acting) -> pending again: another worker decides them afresh.
@@ -1248,7 +1342,8 @@ class Journal:
         because a half-done action (a kill, a restart) must not be repeated blindly; people
         are told instead. Steps left `running` become `interrupted`. Every lock of those runs
         (and any other lock this replica holds: at start-up it holds none) is released.
-        Returns the interrupted run ids.
+        `reports_for(run)` gives each interrupted run's reports, queued in the same
+        transaction. Returns the interrupted run ids.
         """
         now = self._clock()
 
@@ -1294,6 +1389,10 @@ class Journal:
                         playbook=row.playbook,
                         target=row.target,
                     )
+                if reports_for is not None:
+                    for run in self._select_runs(conn, runs.c.id.in_(interrupted)):
+                        for report in reports_for(run):
+                            self._enqueue(conn, report, run.id, now)
             conn.execute(
                 sa.delete(locks).where(
                     sa.or_(
@@ -1387,30 +1486,223 @@ class Journal:
         return found[0] if found else None
 
     def _enqueue(
-        self, conn: Connection, topic: str, content: str, run_id: int | None, now: datetime
+        self, conn: Connection, report: ReportLike, run_id: int | None, now: datetime
     ) -> int:
+        if not isinstance(report, QueuedReport):
+            report = QueuedReport(topic=report[0], content=report[1])
+        recipients = list(report.recipients) if report.recipients is not None else None
         return int(
             conn.execute(
                 sa.insert(outbox)
                 .values(
                     created_at=now,
-                    topic=_clean(topic),
-                    content=_clean(content),
+                    topic=_clean(report.topic),
+                    content=_clean(report.content),
                     run_id=run_id,
                     state="pending",
                     attempts=0,
                     next_attempt_at=now,
+                    recipients=recipients,
+                    graph=dict(report.graph) if report.graph is not None else None,
                 )
                 .returning(outbox.c.id)
             ).scalar_one()
         )
 
-    def enqueue_report(self, topic: str, content: str, *, run_id: int | None = None) -> int:
-        """Queue a report for the Zulip sender on its own (e.g. notify-only); its outbox id."""
-        now = self._clock()
-        return self._tx(
-            "queue a report", lambda conn: self._enqueue(conn, topic, content, run_id, now)
+    def enqueue_report(
+        self,
+        topic: str,
+        content: str,
+        *,
+        run_id: int | None = None,
+        recipients: Sequence[str] | None = None,
+        graph: Mapping[str, Any] | None = None,
+    ) -> int:
+        """Queue a report for the Zulip sender on its own; its outbox id."""
+        report = QueuedReport(
+            topic, content, tuple(recipients) if recipients is not None else None, graph
         )
+        now = self._clock()
+        return self._tx("queue a report", lambda conn: self._enqueue(conn, report, run_id, now))
+
+    # -- the outbox sender -------------------------------------------------------------------
+
+    def take_lease(self, name: str, ttl: timedelta) -> bool:
+        """Hold the lease `name` for `ttl` from now (taken, renewed, or taken over once expired).
+
+        False while another replica holds it unexpired. One row of the `locks` table (target
+        `lease/NAME`, run 0), with the same compare-and-set as `try_lock`, so two replicas
+        cannot both hold it.
+        """
+        target = f"lease/{name}"
+
+        def body(conn: Connection) -> bool:
+            for _ in range(_ATTEMPTS):
+                now = self._clock()
+                held = {
+                    "run_id": 0,
+                    "owner": self.replica_id,
+                    "expires_at": now + ttl,
+                    "ttl_seconds": ttl.total_seconds(),
+                }
+                inserted = conn.execute(
+                    self._insert(locks)
+                    .values(target=target, acquired_at=now, **held)
+                    .on_conflict_do_nothing(index_elements=["target"])
+                    .returning(locks.c.target)
+                ).first()
+                if inserted is not None:
+                    return True
+                current = conn.execute(sa.select(locks).where(locks.c.target == target)).first()
+                if current is None:
+                    continue  # released in between: try again
+                mine = current.owner == self.replica_id
+                if not mine and current.expires_at > now:
+                    return False
+                values = held if mine else {**held, "acquired_at": now}
+                taken = conn.execute(
+                    sa.update(locks)
+                    .where(
+                        locks.c.target == target,
+                        locks.c.owner == current.owner,
+                        locks.c.expires_at == current.expires_at,
+                    )
+                    .values(**values)
+                ).rowcount
+                if taken:
+                    return True
+            return False
+
+        return self._tx("take a lease", body)
+
+    def release_lease(self, name: str) -> None:
+        """Give the lease `name` up if this replica holds it (a no-op otherwise)."""
+        self._tx(
+            "release a lease",
+            lambda conn: conn.execute(
+                sa.delete(locks).where(
+                    locks.c.target == f"lease/{name}", locks.c.owner == self.replica_id
+                )
+            ),
+        )
+
+    @staticmethod
+    def _outbox_entry(row: Any) -> OutboxEntry:
+        return OutboxEntry(
+            id=row.id,
+            created_at=row.created_at,
+            topic=row.topic,
+            content=row.content,
+            run_id=row.run_id,
+            state=row.state,
+            attempts=row.attempts,
+            next_attempt_at=row.next_attempt_at,
+            sent_at=row.sent_at,
+            zulip_message_id=row.zulip_message_id,
+            recipients=tuple(row.recipients) if row.recipients is not None else None,
+            graph=row.graph,
+            picture=row.picture,
+            owner=row.owner,
+            last_error=row.last_error,
+        )
+
+    def outbox_due(self, limit: int = 50) -> list[OutboxEntry]:
+        """The reports to send now, oldest first: per topic, its oldest unsent entry if due.
+
+        Only the head of each topic: a later report of a topic never overtakes an earlier
+        one that is waiting for its retry (order within a topic is the story's order).
+        """
+        now = self._clock()
+        other = outbox.alias("other")
+        heads = (
+            sa.select(sa.func.min(other.c.id))
+            .where(other.c.state.in_(("pending", "sending")))
+            .group_by(other.c.topic)
+        )
+        query = (
+            sa.select(outbox)
+            .where(outbox.c.id.in_(heads), outbox.c.next_attempt_at <= now)
+            .order_by(outbox.c.id)
+            .limit(limit)
+        )
+        rows = self._tx("read the due reports", lambda conn: conn.execute(query).all(), write=False)
+        return [self._outbox_entry(row) for row in rows]
+
+    def outbox_entries(self, limit: int = 1000) -> list[OutboxEntry]:
+        """Every outbox entry (up to `limit`), oldest first."""
+        query = sa.select(outbox).order_by(outbox.c.id).limit(limit)
+        rows = self._tx("read the outbox", lambda conn: conn.execute(query).all(), write=False)
+        return [self._outbox_entry(row) for row in rows]
+
+    def outbox_begin_send(self, entry_id: int) -> bool:
+        """Mark an unsent entry `sending` before it goes out; False if it is not unsent any more.
+
+        From here until `outbox_sent`, a crash leaves it `sending`: the next sender looks it
+        up in Zulip before sending it again.
+        """
+        stmt = (
+            sa.update(outbox)
+            .where(outbox.c.id == entry_id, outbox.c.state.in_(("pending", "sending")))
+            .values(state="sending", owner=self.replica_id)
+        )
+        return bool(self._tx("begin sending a report", lambda conn: conn.execute(stmt).rowcount))
+
+    def outbox_sent(self, entry_id: int, message_id: int | None) -> None:
+        """Zulip has the entry (message `message_id`)."""
+        stmt = (
+            sa.update(outbox)
+            .where(outbox.c.id == entry_id)
+            .values(
+                state="sent", sent_at=self._clock(), zulip_message_id=message_id, last_error=None
+            )
+        )
+        self._tx("mark a report sent", lambda conn: conn.execute(stmt))
+
+    def outbox_retry(
+        self, entry_id: int, *, at: datetime, error: str, maybe_sent: bool = False
+    ) -> None:
+        """Try the entry again at `at`; its count of failed attempts goes up by one.
+
+        `maybe_sent`: the last attempt may have reached Zulip (a timeout, a 5xx), so it stays
+        `sending` and is looked up before it is sent again.
+        """
+        stmt = (
+            sa.update(outbox)
+            .where(outbox.c.id == entry_id, outbox.c.state.in_(("pending", "sending")))
+            .values(
+                state="sending" if maybe_sent else "pending",
+                attempts=outbox.c.attempts + 1,
+                next_attempt_at=at,
+                last_error=_clean(error)[:2000],
+            )
+        )
+        self._tx("defer a report", lambda conn: conn.execute(stmt))
+
+    def outbox_failed(self, entry_id: int, error: str) -> None:
+        """Zulip refused the entry for good; it stays in the journal, state `failed`."""
+        stmt = (
+            sa.update(outbox)
+            .where(outbox.c.id == entry_id)
+            .values(state="failed", last_error=_clean(error)[:2000])
+        )
+        self._tx("mark a report failed", lambda conn: conn.execute(stmt))
+
+    def outbox_set_picture(self, entry_id: int, markdown: str) -> None:
+        """Remember the uploaded picture's Markdown ("" for none): a retry reuses it."""
+        stmt = sa.update(outbox).where(outbox.c.id == entry_id).values(picture=_clean(markdown))
+        self._tx("store a report's picture", lambda conn: conn.execute(stmt))
+
+    def outbox_stats(self) -> tuple[int, datetime | None]:
+        """(unsent entries, the oldest one's created_at or None), fleet-wide."""
+        query = sa.select(sa.func.count(), sa.func.min(outbox.c.created_at)).where(
+            outbox.c.state.in_(("pending", "sending"))
+        )
+        row = self._tx("read the outbox depth", lambda conn: conn.execute(query).one(), write=False)
+        oldest = row[1]
+        if oldest is not None and not isinstance(oldest, datetime):
+            # min() over SQLite's text column comes back as text, not through UTCDateTime.
+            oldest = datetime.fromisoformat(str(oldest)).replace(tzinfo=UTC)
+        return int(row[0]), oldest
 
     def prune(self) -> int:
         """Delete history older than the retention; returns the rows deleted.

@@ -1,0 +1,409 @@
+r"""Actions that talk to the model server (and its proxy) over HTTP: drain, health, canary.
+
+    - drain:                         # take the server out of routing and let it go idle
+        max_wait_seconds: 60         # wait at most this long for busy slots (then go on)
+        fail_if_busy: false          # true: a server still busy after the wait fails the step
+        require_proxy: false         # true: a LiteLLM proxy that cannot be told fails the step
+    - wait_healthy:                  # /health 200, then one small completion answered
+        within_seconds: 180
+    - canary_benchmark:              # is the throughput really down? (degradation playbook)
+        n_predict: 64
+        confirm_below_ratio: 0.7     # measured / 7-day baseline at or below this: confirmed
+
+`drain`, when the roster gives the server a LiteLLM proxy (`litellm: {url, model_id,
+admin_key_file}`), first takes the deployment out of routing (`POST {url}/model/block`
+`{"model_id": …}` with the admin key as bearer token) and hands the engine an undo
+(`litellm_unblock`: `POST {url}/model/unblock`), which the engine runs at the end of the run
+whatever happened in between. Then it polls the server's `/slots` (llama-server) or
+`/metrics` (vLLM `vllm:num_requests_running`) until nothing is processing, at most
+`max_wait_seconds`: a runaway generation never ends by itself, so after the wait the playbook
+goes on and the restart cuts it. A server that does not answer at all has nothing to drain.
+
+`canary_benchmark` (llama-server only: it reads the answer's `timings.predicted_per_second`)
+compares one fresh generation with the recording rule's 7-day baseline
+(`server_model:gpufleet_tokens_per_second:baseline_7d`). As a step (`mode: confirm`) it ends
+the run early as a *false alarm* (no restart; outcome `done_unverified`, the verification text
+says "false alarm") when the speed is above `confirm_below_ratio` of the baseline, and lets the
+next steps (drain, restart) run when the drop is confirmed. As a verification probe
+(`mode: verify`) it holds only when the speed is back above that ratio.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import re
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field
+
+from exporter.roster import Server
+from remediator.actions.registry import (
+    ActionContext,
+    ActionParams,
+    StepResult,
+    Undo,
+    action,
+)
+from remediator.verify import QueryError, build_opener, query_instant
+
+_MAX_BODY = 1024 * 1024
+_REQUEST_TIMEOUT_SECONDS = 10.0
+_EXCERPT = 300
+_RUNNING = re.compile(r"^vllm:num_requests_running(?:\{[^}]*\})?\s+([0-9.eE+-]+)", re.MULTILINE)
+
+
+class HttpAnswer:
+    """One HTTP exchange's result: a status and body, or the reason there was none."""
+
+    def __init__(self, status: int | None, body: bytes, error: str | None) -> None:
+        self.status = status
+        self.body = body
+        self.error = error
+
+    def json(self) -> Any:
+        """The body as JSON (None when it is not JSON)."""
+        try:
+            return json.loads(self.body.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError):
+            return None
+
+    def excerpt(self) -> str:
+        """The start of the body, for a step output."""
+        return self.body[:_EXCERPT].decode("utf-8", errors="replace")
+
+
+def http_call(
+    method: str,
+    url: str,
+    *,
+    timeout: float,
+    body: Any = None,
+    bearer: str | None = None,
+) -> HttpAnswer:
+    """One request (JSON body if given), no proxies, no redirects; never raises."""
+    headers = {"User-Agent": "gpu-fleet-remediator", "Accept": "application/json"}
+    data = None
+    if body is not None:
+        data = json.dumps(body).encode()
+        headers["Content-Type"] = "application/json"
+    if bearer is not None:
+        headers["Authorization"] = f"Bearer {bearer}"
+    request = urllib.request.Request(url, method=method, data=data, headers=headers)
+    if timeout <= 0:
+        return HttpAnswer(None, b"", f"timeout: no time left for {method} {url}")
+    try:
+        with build_opener().open(request, timeout=timeout) as response:
+            return HttpAnswer(response.status, response.read(_MAX_BODY), None)
+    except urllib.error.HTTPError as exc:
+        try:
+            content = exc.read(_MAX_BODY)
+        except (OSError, http.client.HTTPException):
+            content = b""
+        finally:
+            exc.close()
+        return HttpAnswer(exc.code, content, None)
+    except TimeoutError:
+        return HttpAnswer(None, b"", f"timeout: {method} {url} after {timeout:.1f} s")
+    except urllib.error.URLError as exc:
+        reason = exc.reason
+        if isinstance(reason, TimeoutError):
+            return HttpAnswer(None, b"", f"timeout: {method} {url} after {timeout:.1f} s")
+        text = reason.strerror if isinstance(reason, OSError) and reason.strerror else reason
+        return HttpAnswer(None, b"", f"{method} {url}: {text}")
+    except (OSError, http.client.HTTPException) as exc:
+        return HttpAnswer(None, b"", f"{method} {url}: {exc!r}")
+
+
+def read_key(path: Path) -> str:
+    """A key file's content (stripped); `OSError`/`ValueError` when unusable."""
+    value = path.read_text(encoding="utf-8").strip()
+    if not value or "\n" in value:
+        raise ValueError(f"{path}: must hold one line (the key)")
+    return value
+
+
+def _server(ctx: ActionContext, what: str) -> Server | StepResult:
+    entry = ctx.target.server_entry
+    if entry is None:
+        return StepResult(False, f"error: {what} acts on a server target, not {ctx.target.key}")
+    return entry
+
+
+def _server_key(entry: Server) -> str | None:
+    return read_key(entry.api_key_file) if entry.api_key_file is not None else None
+
+
+def _timeout(ctx: ActionContext) -> float:
+    return min(_REQUEST_TIMEOUT_SECONDS, ctx.remaining())
+
+
+# --- LiteLLM ---------------------------------------------------------------------------------
+
+
+def _litellm(ctx: ActionContext, path: str) -> tuple[bool, str]:
+    """POST `{litellm.url}{path}` `{"model_id": …}` with the admin key; (ok, what happened)."""
+    entry = ctx.target.server_entry
+    proxy = entry.litellm if entry is not None else None
+    if proxy is None:
+        return False, "no LiteLLM proxy in the roster for this server"
+    try:
+        key = read_key(proxy.admin_key_file)
+    except (OSError, ValueError) as exc:
+        return False, f"LiteLLM admin key unusable: {exc}"
+    url = proxy.url.rstrip("/") + path
+    answer = http_call(
+        "POST", url, timeout=_timeout(ctx), body={"model_id": proxy.model_id}, bearer=key
+    )
+    if answer.error is not None:
+        return False, f"LiteLLM {path}: {answer.error}"
+    if answer.status != 200:
+        return False, f"LiteLLM {path} answered {answer.status}: {answer.excerpt()}"
+    return True, f"LiteLLM {path} {proxy.model_id}: 200"
+
+
+@action("litellm_unblock", ActionParams, default_timeout_seconds=30.0)
+def litellm_unblock(ctx: ActionContext, params: ActionParams) -> StepResult:
+    """Put the server's deployment back into the LiteLLM proxy's routing (`/model/unblock`)."""
+    ok, what = _litellm(ctx, "/model/unblock")
+    return StepResult(ok, what)
+
+
+# --- drain -----------------------------------------------------------------------------------
+
+
+class DrainParams(ActionParams):
+    """`drain`: how long to wait for idle slots, and what is fatal."""
+
+    max_wait_seconds: float = Field(default=60.0, ge=0, le=3600)
+    interval_seconds: float = Field(default=1.0, gt=0, le=60)
+    fail_if_busy: bool = False
+    require_proxy: bool = False
+    unblock_timeout_seconds: float = Field(default=30.0, gt=0, le=300)
+
+    def needs_seconds(self) -> float:
+        """The wait, plus the proxy call and the last poll."""
+        return self.max_wait_seconds + 2 * _REQUEST_TIMEOUT_SECONDS
+
+
+def busy_slots(ctx: ActionContext, entry: Server) -> tuple[int | None, str]:
+    """How many requests the server is processing (None: cannot tell), and how it was read."""
+    key = _server_key(entry)
+    if entry.engine == "vllm":
+        answer = http_call("GET", f"{entry.url}/metrics", timeout=_timeout(ctx), bearer=key)
+        if answer.error is not None or answer.status != 200:
+            return None, answer.error or f"/metrics answered {answer.status}"
+        found = _RUNNING.findall(answer.body.decode("utf-8", errors="replace"))
+        if not found:
+            return None, "/metrics has no vllm:num_requests_running"
+        return round(sum(float(v) for v in found)), "vllm:num_requests_running"
+    answer = http_call("GET", f"{entry.url}/slots", timeout=_timeout(ctx), bearer=key)
+    if answer.error is not None:
+        return None, answer.error
+    if answer.status != 200:
+        return None, f"/slots answered {answer.status}"
+    slots = answer.json()
+    if not isinstance(slots, list):
+        return None, "/slots answered something that is not a list of slots"
+    busy = sum(1 for slot in slots if isinstance(slot, dict) and slot.get("is_processing"))
+    return busy, f"/slots ({len(slots)} slots)"
+
+
+@action("drain", DrainParams, default_timeout_seconds=90.0)
+def drain(ctx: ActionContext, params: DrainParams) -> StepResult:
+    """Take the server out of its proxy's routing (if any), then wait for idle slots."""
+    entry = _server(ctx, "drain")
+    if isinstance(entry, StepResult):
+        return entry
+    lines: list[str] = []
+    undo: Undo | None = None
+    if entry.litellm is not None:
+        blocked, what = _litellm(ctx, "/model/block")
+        lines.append(what)
+        if blocked:
+            undo = Undo(
+                "litellm_unblock",
+                ActionParams(),
+                params.unblock_timeout_seconds,
+                f"put {entry.litellm.model_id} back into LiteLLM's routing",
+            )
+        elif params.require_proxy:
+            return StepResult(False, "drain: " + what)
+    start = time.monotonic()
+    wait_end = start + min(params.max_wait_seconds, max(0.0, ctx.remaining() - 1.0))
+    busy, how = busy_slots(ctx, entry)
+    while busy and time.monotonic() < wait_end:
+        if ctx.cancel.wait(min(params.interval_seconds, max(0.0, wait_end - time.monotonic()))):
+            lines.append("cancelled while waiting for idle slots")
+            return StepResult(False, "\n".join(lines), undo=undo)
+        busy, how = busy_slots(ctx, entry)
+    waited = time.monotonic() - start
+    if busy is None:
+        lines.append(f"cannot see the server's load ({how}): nothing to wait for")
+        ok = True
+    elif busy == 0:
+        lines.append(f"idle after {waited:.1f} s ({how})")
+        ok = True
+    else:
+        lines.append(
+            f"still {busy} request(s) processing after {waited:.1f} s ({how}); "
+            + ("failing (fail_if_busy)" if params.fail_if_busy else "going on: they are cut")
+        )
+        ok = not params.fail_if_busy
+    return StepResult(ok, "drain: " + "; ".join(lines), {"busy": busy}, undo=undo)
+
+
+# --- wait_healthy ----------------------------------------------------------------------------
+
+
+class WaitHealthyParams(ActionParams):
+    """`wait_healthy`: how long the server has to become healthy and answer a completion."""
+
+    within_seconds: float = Field(default=180.0, gt=0, le=3600)
+    interval_seconds: float = Field(default=1.0, gt=0, le=60)
+    completion: bool = True
+
+    def needs_seconds(self) -> float:
+        """The window, plus one completion's time limit."""
+        return self.within_seconds + _REQUEST_TIMEOUT_SECONDS
+
+
+def _completion(ctx: ActionContext, entry: Server, key: str | None) -> tuple[bool, str]:
+    if entry.engine == "llama":
+        answer = http_call(
+            "POST",
+            f"{entry.url}/completion",
+            timeout=_timeout(ctx),
+            body={"prompt": "ping", "n_predict": 1, "cache_prompt": False},
+            bearer=key,
+        )
+        data = answer.json()
+        ok = answer.status == 200 and isinstance(data, dict) and "content" in data
+    else:
+        models = http_call("GET", f"{entry.url}/v1/models", timeout=_timeout(ctx), bearer=key)
+        listing = models.json()
+        try:
+            model = listing["data"][0]["id"]
+        except (TypeError, KeyError, IndexError):
+            return False, f"/v1/models gave no model ({models.error or models.status})"
+        answer = http_call(
+            "POST",
+            f"{entry.url}/v1/completions",
+            timeout=_timeout(ctx),
+            body={"model": model, "prompt": "ping", "max_tokens": 1},
+            bearer=key,
+        )
+        data = answer.json()
+        ok = answer.status == 200 and isinstance(data, dict) and "choices" in data
+    if ok:
+        return True, "a 1-token completion was answered"
+    return False, f"completion: {answer.error or f'{answer.status} {answer.excerpt()}'}"
+
+
+@action("wait_healthy", WaitHealthyParams, default_timeout_seconds=200.0, read_only=True)
+def wait_healthy(ctx: ActionContext, params: WaitHealthyParams) -> StepResult:
+    """Wait until `/health` answers 200, then check that one tiny completion is answered."""
+    entry = _server(ctx, "wait_healthy")
+    if isinstance(entry, StepResult):
+        return entry
+    key = _server_key(entry)
+    start = time.monotonic()
+    end = start + min(params.within_seconds, ctx.remaining())
+    last = "not asked"
+    while True:
+        answer = http_call("GET", f"{entry.url}/health", timeout=_timeout(ctx))
+        last = answer.error or f"/health answered {answer.status}"
+        if answer.status == 200:
+            if not params.completion:
+                return StepResult(True, f"healthy after {time.monotonic() - start:.1f} s")
+            ok, what = _completion(ctx, entry, key)
+            if ok:
+                return StepResult(True, f"healthy after {time.monotonic() - start:.1f} s; {what}")
+            last = what
+        left = end - time.monotonic()
+        if left <= 0:
+            return StepResult(
+                False, f"not healthy within {params.within_seconds:g} s; last: {last}"
+            )
+        if ctx.cancel.wait(min(params.interval_seconds, left)):
+            return StepResult(False, f"cancelled while waiting for health; last: {last}")
+
+
+# --- canary_benchmark ------------------------------------------------------------------------
+
+
+class CanaryParams(ActionParams):
+    """`canary_benchmark`: one measured generation compared with the 7-day baseline."""
+
+    n_predict: int = Field(default=64, ge=8, le=4096)
+    confirm_below_ratio: float = Field(default=0.7, gt=0, lt=1)
+    # `confirm` (a step): a false alarm ends the run, a confirmed drop lets it go on.
+    # `verify` (a verification probe): ok only when the speed is back above the ratio.
+    mode: Literal["confirm", "verify"] = "confirm"
+    # Default: the recording rule's 7-day baseline of this server (and its current model).
+    baseline_query: str | None = Field(default=None, min_length=1, max_length=2000)
+    timeout_seconds: float = Field(default=60.0, gt=0, le=600)
+
+    def needs_seconds(self) -> float:
+        """The generation's time limit plus the baseline query."""
+        return self.timeout_seconds + 5.0
+
+
+@action("canary_benchmark", CanaryParams, default_timeout_seconds=90.0, read_only=True)
+def canary_benchmark(ctx: ActionContext, params: CanaryParams) -> StepResult:
+    """Measure generation speed now; a false alarm ends the run, a confirmed drop goes on."""
+    entry = _server(ctx, "canary_benchmark")
+    if isinstance(entry, StepResult):
+        return entry
+    if entry.engine != "llama":
+        return StepResult(False, "canary_benchmark: needs llama-server's timings (engine llama)")
+    query = params.baseline_query or (
+        "server_model:gpufleet_tokens_per_second:baseline_7d"
+        f'{{host="{ctx.target.host}",server="{ctx.target.server}"}}'
+    )
+    try:
+        series = query_instant(ctx.prometheus_url, query, timeout_seconds=min(5.0, ctx.remaining()))
+    except QueryError as exc:
+        return StepResult(False, f"no baseline: {exc}")
+    try:
+        baseline = float(series[0]["value"][1])
+    except (IndexError, KeyError, TypeError, ValueError):
+        return StepResult(False, f"no baseline: {query} returned no value")
+    answer = http_call(
+        "POST",
+        f"{entry.url}/completion",
+        timeout=min(params.timeout_seconds, ctx.remaining()),
+        body={
+            "prompt": "Write a long story about a lighthouse keeper.",
+            "n_predict": params.n_predict,
+            "cache_prompt": False,
+            "ignore_eos": True,
+        },
+        bearer=_server_key(entry),
+    )
+    data = answer.json()
+    try:
+        speed = float(data["timings"]["predicted_per_second"])
+    except (TypeError, KeyError, ValueError):
+        return StepResult(
+            False, f"canary got no timings: {answer.error or f'{answer.status} {answer.excerpt()}'}"
+        )
+    ratio = speed / baseline if baseline > 0 else 0.0
+    details = {"tokens_per_second": round(speed, 2), "baseline": baseline, "ratio": round(ratio, 3)}
+    measured = f"{speed:.1f} tok/s against a baseline of {baseline:.1f} ({ratio:.0%})"
+    if params.mode == "verify":
+        recovered = ratio > params.confirm_below_ratio
+        verdict = "recovered" if recovered else "still degraded"
+        return StepResult(recovered, f"{verdict}: {measured}", details)
+    if ratio <= params.confirm_below_ratio:
+        return StepResult(True, f"degradation confirmed: {measured}", details)
+    return StepResult(
+        True,
+        f"false alarm: {measured}, above {params.confirm_below_ratio:.0%}; nothing is restarted",
+        details,
+        finish=f"false alarm: the canary measured {measured}",
+    )

@@ -26,7 +26,7 @@ def zulip_config(zuliprc: Path) -> str:
         "  topics: {gpu: alerts-gpu, inference: alerts-gpu, infra: alerts-infra}\n"
         "  escalate_to: [oncall@example.org]\n"
         "  alertmanager_url: http://127.0.0.1:9093\n"
-        "  grafana_url: http://127.0.0.1:3000/d/gpu-fleet-servers\n"
+        "  grafana_url: http://127.0.0.1:3000/d/gpu-fleet/gpu-fleet\n"
     )
 
 

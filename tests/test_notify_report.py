@@ -58,7 +58,7 @@ SETTINGS = ReportSettings(
     },
     default_topic="gpu-fleet",
     escalate_to=("oncall@example.org",),
-    grafana_url="https://grafana.example.org/d/gpu-fleet-servers",
+    grafana_url="https://grafana.example.org/d/gpu-fleet/gpu-fleet",
     alertmanager_url="https://alertmanager.example.org",
 )
 
@@ -83,7 +83,8 @@ def alert(**labels: str) -> AlertRecord:
         annotations={
             "summary": "llama-server alpha on dioscuri does not answer /health",
             "description": "GET /health was refused for 1 minute.",
-            "runbook_url": "https://git.example.org/gpu-fleet/blob/main/docs/runbooks/llama.md",
+            "runbook_url": "https://github.com/gpu-fleet/gpu-fleet/blob/main/docs/runbooks/"
+            "llama-server-down.md",
         },
         generator_url="http://prometheus.example.org:9090/graph?g0.expr="
         "gpufleet_llama_up+%3D%3D+0&g0.tab=1",
@@ -114,21 +115,42 @@ def healed_run() -> RunRecord:
         steps=[
             StepRecord(
                 index=0,
-                action="wait",
-                params={"seconds": 30},
+                action="capture_evidence",
+                params={},
                 started_at=started,
-                finished_at=started + timedelta(seconds=30),
+                finished_at=started + timedelta(seconds=1.2),
                 result="ok",
-                output="waited 30 s",
+                output="evidence of alpha captured\n\n## evidence of alpha (1.1 s)\n"
+                "unit: failed/failed, NRestarts 4; port 31001: no listener\n"
+                "journal: llama-server[4242]: ggml_cuda_init: out of memory",
             ),
             StepRecord(
                 index=1,
-                action="http_probe",
-                params={"url": "http://192.0.2.10:31001/health", "expect_status": 200},
-                started_at=started + timedelta(seconds=30),
-                finished_at=started + timedelta(seconds=30.4),
+                action="drain",
+                params={"max_wait_seconds": 20},
+                started_at=started + timedelta(seconds=1.2),
+                finished_at=started + timedelta(seconds=1.5),
                 result="ok",
-                output='HTTP 200: {"status":"ok"}',
+                output="drain: cannot see the server's load (GET /slots refused): "
+                "nothing to wait for",
+            ),
+            StepRecord(
+                index=2,
+                action="restart_server",
+                params={},
+                started_at=started + timedelta(seconds=1.5),
+                finished_at=started + timedelta(seconds=4.0),
+                result="ok",
+                output="restarted alpha: failed/failed → active/running pid 5120",
+            ),
+            StepRecord(
+                index=3,
+                action="wait_healthy",
+                params={"within_seconds": 180},
+                started_at=started + timedelta(seconds=4.0),
+                finished_at=started + timedelta(seconds=41.0),
+                result="ok",
+                output="healthy after 37.0 s",
             ),
         ],
     )
@@ -353,7 +375,7 @@ def test_too_small_a_limit_drops_the_evidence_and_keeps_the_outcome() -> None:
     trimmed = fit(report.content, limit)
     assert len(trimmed) <= limit
     assert "spoiler" not in trimmed and "evidence left out" in trimmed
-    assert "✅ **Healed**" in trimmed and "| 2 | `http_probe` | ok | 0.4 s |" in trimmed
+    assert "✅ **Healed**" in trimmed and "| 4 | `wait_healthy` | ok | 37 s |" in trimmed
 
 
 def test_a_report_within_the_limit_is_untouched() -> None:

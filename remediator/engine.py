@@ -135,6 +135,7 @@ class Engine:
         self._clock = clock
         self._wake = threading.Event()  # runs are queued
         self._accepted = threading.Event()  # the webhook accepted a notification
+        self._last_accepted = 0.0  # time.monotonic() of the latest one
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._active: set[int] = set()
@@ -203,7 +204,11 @@ class Engine:
 
     def wake(self) -> None:
         """Tell the engine that the webhook accepted a notification."""
-        self._accepted.set()
+        # A time stamp, not a signal, while the ingester already waits for quiet: waking its
+        # thread on every request of a burst would cost each acknowledgement a thread switch.
+        self._last_accepted = time.monotonic()
+        if not self._accepted.is_set():
+            self._accepted.set()
 
     def _ingester(self) -> None:
         # One thread turns accepted notifications into runs, in batches: a burst of resends
@@ -229,12 +234,17 @@ class Engine:
         start at most `ingest_max_delay_seconds` later, which an alert held for minutes by its
         `for:` does not notice.
         """
+        quiet = self.settings.ingest_quiet_seconds
         deadline = time.monotonic() + self.settings.ingest_max_delay_seconds
         while not self._stop.is_set():
-            self._accepted.clear()
-            left = deadline - time.monotonic()
-            if left <= 0 or not self._accepted.wait(min(self.settings.ingest_quiet_seconds, left)):
-                return
+            now = time.monotonic()
+            still = quiet - (now - self._last_accepted)  # until `quiet` after the latest
+            if still <= 0 or now >= deadline:
+                break
+            self._stop.wait(min(still, deadline - now))
+        # Cleared before the batch is read: a notification accepted from here on is either in
+        # the batch or sets the flag again for the next one.
+        self._accepted.clear()
 
     def _work(self) -> None:
         while not self._stop.is_set():

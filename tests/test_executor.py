@@ -45,6 +45,7 @@ UNIT = "llama-server@alpha.service"
         ("status", ["alpha; rm -rf /"], "not a plain token"),
         ("status", ["alpha beta"], "not a plain token"),
         ("status", ["$(id)"], "not a plain token"),
+        ("status", ["alpha\n"], "not a plain token"),  # `$` alone would let it through
         ("status", ["-oProxyCommand=x"], "not a plain token"),
         ("status", [""], "not a plain token"),
         ("status", ["a" * 129], "not a plain token"),

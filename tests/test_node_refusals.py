@@ -64,6 +64,9 @@ def assert_untouched(lab: Lab, pid: int | None) -> None:
         ("status `id`", "word 2 '`id`' is not a plain name"),
         ("status alpha|id", "word 2 'alpha|id' is not a plain name"),
         ("restart alpha\nid", "word 2 'alpha\\nid' is not a plain name"),
+        # A trailing newline too: a regular expression's `$` would let it through.
+        ("restart alpha\n", "word 2 'alpha\\n' is not a plain name"),
+        ("power-cap 0 300\n", "word 3 '300\\n' is not a plain name"),
         ("restart\talpha", "word 1 'restart\\talpha' is not a plain name"),
         ("status ../alpha", "word 2 '../alpha' is not a plain name"),
         ("status /etc/passwd", "word 2 '/etc/passwd' is not a plain name"),

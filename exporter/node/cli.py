@@ -254,12 +254,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _safe_words(command: str | None) -> list[str]:
     """The words of a refused command that are safe to echo in the JSON answer (the verb)."""
     first = (command or "").split(" ")[0]
-    return [first] if TOKEN.match(first) else []
+    return [first] if TOKEN.fullmatch(first) else []
 
 
 def _refusal(words: Sequence[str], why: str, host: str = "") -> Reply:
-    verb = words[0] if words and TOKEN.match(words[0]) else ""
-    args = [w for w in words[1:] if TOKEN.match(w)] if verb else []
+    verb = words[0] if words and TOKEN.fullmatch(words[0]) else ""
+    args = [w for w in words[1:] if TOKEN.fullmatch(w)] if verb else []
     return Reply(verb=verb, args=args, host=host, error=why, exit_code=EXIT_REFUSED)
 
 
@@ -298,7 +298,7 @@ def _plain_guard_port(options: argparse.Namespace) -> int:
     ok = result.outcome in GOOD_OUTCOMES
     reply = Reply(
         verb="guard-port",
-        args=[options.server] if TOKEN.match(options.server) else [],
+        args=[options.server] if TOKEN.fullmatch(options.server) else [],
         host=options.host or "",
         ok=ok,
         result=result.as_dict(),

@@ -116,7 +116,7 @@ def parse_tokens(command: str | None) -> Request:
 def check_tokens(tokens: list[str]) -> Request:
     """A request from a verb and its arguments; raises `Refused` for any bad token or count."""
     for position, token in enumerate(tokens, start=1):
-        if not TOKEN.match(token):
+        if not TOKEN.fullmatch(token):
             what = "is empty (two spaces in a row?)" if not token else f"{show(token)} is not"
             raise Refused(
                 f"word {position} {what} "

@@ -337,7 +337,7 @@ def resolve_target(playbook: Playbook, alert: Alert, roster: Roster) -> Target |
     gpu_label = labels.get("gpu")
     if not gpu_label:
         return Rejection(f"the alert has no `gpu` label (playbook {playbook.name} acts on a GPU)")
-    if not _GPU_INDEX.match(gpu_label):
+    if not _GPU_INDEX.fullmatch(gpu_label):
         return Rejection(f"gpu {_quote(gpu_label)} is not a GPU index")
     gpu = int(gpu_label)
     expected = expected_gpu_count(host_entry)

@@ -77,7 +77,7 @@ def check_request(verb: str, args: Sequence[str]) -> list[str]:
     if len(words) > MAX_WORDS:
         raise NodeRequestError(f"{len(words)} words: a request has at most {MAX_WORDS}")
     for word in words:
-        if not isinstance(word, str) or not TOKEN.match(word):
+        if not isinstance(word, str) or not TOKEN.fullmatch(word):
             shown = repr(word)[:80]
             raise NodeRequestError(f"{shown} is not a plain token (letters, digits, ._@:-)")
     return words

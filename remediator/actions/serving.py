@@ -21,11 +21,12 @@ goes on and the restart cuts it. A server that does not answer at all has nothin
 
 `canary_benchmark` (llama-server only: it reads the answer's `timings.predicted_per_second`)
 compares one fresh generation with the recording rule's 7-day baseline
-(`server_model:gpufleet_tokens_per_second:baseline_7d`). As a step (`mode: confirm`) it ends
-the run early as a *false alarm* (no restart; outcome `done_unverified`, the verification text
-says "false alarm") when the speed is above `confirm_below_ratio` of the baseline, and lets the
-next steps (drain, restart) run when the drop is confirmed. As a verification probe
-(`mode: verify`) it holds only when the speed is back above that ratio.
+(`server_model:gpufleet_tokens_per_second:baseline_7d` of the server's roster role and model).
+As a step (`mode: confirm`) it ends the run early as a *false alarm* (no restart; outcome
+`done_unverified`, the verification text says "false alarm") when the speed is above
+`confirm_below_ratio` of the baseline, and lets the next steps (drain, restart) run when the
+drop is confirmed. As a verification probe (`mode: verify`) it holds only when the speed is
+back above that ratio.
 """
 
 from __future__ import annotations
@@ -361,9 +362,12 @@ def canary_benchmark(ctx: ActionContext, params: CanaryParams) -> StepResult:
         return entry
     if entry.engine != "llama":
         return StepResult(False, "canary_benchmark: needs llama-server's timings (engine llama)")
+    # The series of the server's role and model now: after a model swap, the former model's
+    # baseline lives on for 7 days beside the new one, and the first series could be either.
     query = params.baseline_query or (
         "server_model:gpufleet_tokens_per_second:baseline_7d"
-        f'{{host="{ctx.target.host}",server="{ctx.target.server}"}}'
+        f'{{host="{ctx.target.host}",server="{ctx.target.server}",'
+        f"role={json.dumps(entry.role)},model={json.dumps(entry.model)}}}"
     )
     try:
         series = query_instant(ctx.prometheus_url, query, timeout_seconds=min(5.0, ctx.remaining()))

@@ -34,11 +34,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from exporter.exposition import TextWriter
 from exporter.registry import ExporterSettings, build_registry
-from exporter.roster import Host
 from tests.llama_lab import StartLlamaServer
 from tests.sysfs_tree import discrete_spec, write_amd_card, write_k10temp
 from tests.systemctl_stand_in import SystemctlStandIn
-from tests.test_full_scrape import HOST, REPO, TWO_GPUS
+from tests.test_full_scrape import REPO, TWO_GPUS, live_host
 from tests.test_remediator import fixture as alertmanager_payload
 from tests.test_remediator import make_lab
 from tests.vllm_stand_in import VllmStandIn
@@ -314,28 +313,7 @@ def exporter_scrape(
     )
     systemctl.set_unit("vllm@zeta.service", ActiveState="active", MainPID=os.getpid())
     with VllmStandIn(REPO / "tests" / "fixtures" / "vllm" / "metrics-v1.txt") as vllm:
-        host = Host.model_validate(
-            {
-                **HOST,
-                "servers": {
-                    "alpha": {
-                        "engine": "llama",
-                        "url": llama.url,
-                        "unit": "llama-server@alpha.service",
-                        "role": "gpu-dense",
-                        "model": "tiny",
-                        "gpu": 0,
-                    },
-                    "zeta": {
-                        "engine": "vllm",
-                        "url": vllm.url,
-                        "unit": "vllm@zeta.service",
-                        "role": "gpu-vision",
-                        "model": "Qwen3-VL-8B",
-                    },
-                },
-            }
-        )
+        host = live_host(llama.url, vllm.url, canary=False)
         settings = ExporterSettings(host=host, sysfs=str(sysfs), nvml_fake_scenario=TWO_GPUS)
         registry, fleet = build_registry(settings)
         try:

@@ -69,6 +69,31 @@ def fleet(tmp_path: Path) -> Iterator[tuple[CollectorRegistry, FleetCollector]]:
     collector.close()
 
 
+def live_host(llama_url: str, vllm_url: str, *, canary: bool) -> Host:
+    """HOST with its servers: llama-server `alpha` (with a canary, if asked) and vLLM `zeta`.
+
+    The live scrape here and the dashboard test's (tests/test_dashboards.py) share it.
+    """
+    alpha: dict[str, object] = {
+        "engine": "llama",
+        "url": llama_url,
+        "unit": "llama-server@alpha.service",
+        "role": "gpu-dense",
+        "model": "tiny",
+        "gpu": 0,
+    }
+    if canary:
+        alpha["canary"] = {"interval_seconds": 3600, "max_tokens": 8}
+    zeta = {
+        "engine": "vllm",
+        "url": vllm_url,
+        "unit": "vllm@zeta.service",
+        "role": "gpu-vision",
+        "model": "Qwen3-VL-8B",
+    }
+    return Host.model_validate({**HOST, "servers": {"alpha": alpha, "zeta": zeta}})
+
+
 def scrape_when_xids_arrived(registry: CollectorRegistry) -> str:
     # Xid events reach the collector through NVML's event thread: wait for them (bounded).
     deadline = time.monotonic() + 10
@@ -122,29 +147,7 @@ def test_readme_lists_exactly_the_series_the_exporter_produces(
     # The vLLM stand-in listens in this very process.
     systemctl.set_unit("vllm@zeta.service", ActiveState="active", MainPID=os.getpid())
     with VllmStandIn(REPO / "tests" / "fixtures" / "vllm" / "metrics-v1.txt") as vllm:
-        host = Host.model_validate(
-            {
-                **HOST,
-                "servers": {
-                    "alpha": {
-                        "engine": "llama",
-                        "url": llama.url,
-                        "unit": "llama-server@alpha.service",
-                        "role": "gpu-dense",
-                        "model": "tiny",
-                        "canary": {"interval_seconds": 3600, "max_tokens": 8},
-                        "gpu": 0,
-                    },
-                    "zeta": {
-                        "engine": "vllm",
-                        "url": vllm.url,
-                        "unit": "vllm@zeta.service",
-                        "role": "gpu-vision",
-                        "model": "Qwen3-VL-8B",
-                    },
-                },
-            }
-        )
+        host = live_host(llama.url, vllm.url, canary=True)
         settings = ExporterSettings(host=host, sysfs=str(sysfs), nvml_fake_scenario=TWO_GPUS)
         registry, fleet = build_registry(settings)
         try:

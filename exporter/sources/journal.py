@@ -9,7 +9,7 @@ Manual check: `journalctl -u llama-server@alpha.service -n 50 --no-pager -o shor
 
 from __future__ import annotations
 
-import subprocess
+from exporter.sources.systemd import run_tool
 
 JOURNALCTL = "journalctl"
 MAX_LINE_CHARS = 2000  # a log line can be a whole prompt; evidence keeps the start of it
@@ -27,16 +27,7 @@ def unit_journal(
     `unit` must already have been checked against the roster. Raises `JournalError`.
     """
     command = [journalctl, "-u", unit, "-n", str(lines), "--no-pager", "-o", "short-iso"]
-    try:
-        done = subprocess.run(
-            command, capture_output=True, timeout=timeout, check=False, stdin=subprocess.DEVNULL
-        )
-    except FileNotFoundError:
-        raise JournalError(f"{journalctl} not found on PATH") from None
-    except subprocess.TimeoutExpired:
-        raise JournalError(f"{journalctl} did not answer within {timeout:g} s") from None
-    except OSError as exc:
-        raise JournalError(f"cannot run {journalctl}: {exc}") from None
+    done = run_tool(command, timeout=timeout, what=journalctl, error=JournalError)
     if done.returncode != 0:
         stderr = done.stderr.decode("utf-8", "replace").strip()[:MAX_LINE_CHARS]
         raise JournalError(f"{journalctl} exited {done.returncode}: {stderr}")

@@ -38,6 +38,40 @@ class SystemdError(Exception):
     """`systemctl` could not be run or its answer could not be read."""
 
 
+def run_tool(
+    command: Sequence[str],
+    *,
+    timeout: float,
+    what: str,
+    error: type[Exception] = SystemdError,
+) -> subprocess.CompletedProcess[bytes]:
+    """Run a systemd tool (`command[0]`, as found on PATH) with an argv list, never a shell.
+
+    Its output is left as bytes for the caller to decode. Raises `error` naming `what` when
+    the tool is missing, cannot be run or does not return within `timeout`; the exit status
+    is the caller's to judge.
+    """
+    tool = command[0]
+    try:
+        return subprocess.run(
+            list(command),
+            capture_output=True,
+            timeout=timeout,
+            check=False,
+            stdin=subprocess.DEVNULL,
+        )
+    except FileNotFoundError:
+        raise error(f"{tool} not found on PATH") from None
+    except subprocess.TimeoutExpired:
+        raise error(f"{what} did not answer within {timeout:g} s") from None
+    except OSError as exc:
+        raise error(f"cannot run {tool}: {exc}") from None
+
+
+def _text(data: bytes) -> str:
+    return data.decode("utf-8", "replace")
+
+
 @dataclass(frozen=True)
 class UnitStatus:
     """One unit as `systemctl show` describes it; None where systemd says nothing."""
@@ -118,17 +152,11 @@ def show_units(
     if not units:
         return {}
     command = [systemctl, "show", "--no-pager", f"--property={','.join(PROPERTIES)}", *units]
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
-    except FileNotFoundError:
-        raise SystemdError(f"{systemctl} not found on PATH") from None
-    except subprocess.TimeoutExpired:
-        raise SystemdError(f"{systemctl} show did not answer within {timeout:g} s") from None
-    except OSError as exc:
-        raise SystemdError(f"cannot run {systemctl}: {exc}") from None
+    done = run_tool(command, timeout=timeout, what=f"{systemctl} show")
     if done.returncode != 0:
-        raise SystemdError(f"{systemctl} show exited {done.returncode}: {done.stderr.strip()}")
-    return parse_show(done.stdout, units)
+        stderr = _text(done.stderr).strip()
+        raise SystemdError(f"{systemctl} show exited {done.returncode}: {stderr}")
+    return parse_show(_text(done.stdout), units)
 
 
 class UnitsReader:
@@ -262,13 +290,5 @@ def run_unit_job(
     """
     if action not in ("start", "stop", "restart"):
         raise ValueError(f"not a unit job: {action!r}")
-    command = [systemctl, action, unit]
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
-    except FileNotFoundError:
-        raise SystemdError(f"{systemctl} not found on PATH") from None
-    except subprocess.TimeoutExpired:
-        raise SystemdError(f"{systemctl} {action} did not return within {timeout:g} s") from None
-    except OSError as exc:
-        raise SystemdError(f"cannot run {systemctl}: {exc}") from None
-    return done.returncode, done.stderr.strip()
+    done = run_tool([systemctl, action, unit], timeout=timeout, what=f"{systemctl} {action}")
+    return done.returncode, _text(done.stderr).strip()

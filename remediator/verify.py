@@ -91,7 +91,44 @@ def _describe_series(series: Any) -> str:
 
 def query_instant(prometheus_url: str, query: str, *, timeout_seconds: float) -> list[Any]:
     """The series of an instant query's answer; raises `QueryError` with the reason."""
-    url = prometheus_url.rstrip("/") + "/api/v1/query?" + urllib.parse.urlencode({"query": query})
+    data = _api_query(prometheus_url, "query", {"query": query}, timeout_seconds)
+    result_type = data.get("resultType")
+    if result_type not in ("vector", "matrix"):
+        # A scalar or string always "has" a value: as a verdict it would always hold.
+        raise QueryError(
+            f"the query returns a {result_type}, not an instant vector; compare a vector "
+            "instead (`… == 1`)"
+        )
+    result: list[Any] = data["result"]
+    return result
+
+
+def query_range(
+    prometheus_url: str,
+    query: str,
+    *,
+    start: float,
+    end: float,
+    step: float,
+    timeout_seconds: float,
+) -> list[Any]:
+    """The series (`metric`, `values`) of a range query (Unix seconds); raises `QueryError`."""
+    params = {
+        "query": query,
+        "start": f"{start:.3f}",
+        "end": f"{end:.3f}",
+        "step": f"{step:.3f}",
+        "timeout": f"{timeout_seconds:g}s",
+    }
+    result: list[Any] = _api_query(prometheus_url, "query_range", params, timeout_seconds)["result"]
+    return result
+
+
+def _api_query(
+    prometheus_url: str, endpoint: str, params: dict[str, str], timeout_seconds: float
+) -> dict[str, Any]:
+    """`data` of a successful answer of `/api/v1/<endpoint>`; raises `QueryError` why not."""
+    url = f"{prometheus_url.rstrip('/')}/api/v1/{endpoint}?{urllib.parse.urlencode(params)}"
     request = urllib.request.Request(url, headers={"Accept": "application/json"})
     try:
         with build_opener().open(request, timeout=timeout_seconds) as response:
@@ -138,15 +175,7 @@ def query_instant(prometheus_url: str, query: str, *, timeout_seconds: float) ->
     data = answer.get("data")
     if not isinstance(data, dict) or not isinstance(data.get("result"), list):
         raise QueryError("Prometheus answered success without data.result")
-    result_type = data.get("resultType")
-    if result_type not in ("vector", "matrix"):
-        # A scalar or string always "has" a value: as a verdict it would always hold.
-        raise QueryError(
-            f"the query returns a {result_type}, not an instant vector; compare a vector "
-            "instead (`… == 1`)"
-        )
-    result: list[Any] = data["result"]
-    return result
+    return data
 
 
 def promql_holds(

@@ -11,28 +11,22 @@ with the reason logged: the report then goes out without a picture.
 
 from __future__ import annotations
 
-import http.client
-import json
 import logging
 import math
 import struct
-import urllib.error
-import urllib.parse
-import urllib.request
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from remediator.verify import build_opener
+from remediator import verify
 
 log = logging.getLogger(__name__)
 
 WIDTH, HEIGHT = 480, 160
 MAX_SERIES = 6
 POINTS = 240  # samples across the window: about two pixels each
-_MAX_BODY_BYTES = 4 * 1024 * 1024
 _MARGIN = 6
 
 _BACKGROUND = (255, 255, 255)
@@ -81,33 +75,17 @@ def query_range(
 ) -> list[Series]:
     """The series of a range query; raises `GraphError` with the reason."""
     step = max(1.0, (end - start).total_seconds() / POINTS)
-    params = {
-        "query": query,
-        "start": f"{start.timestamp():.3f}",
-        "end": f"{end.timestamp():.3f}",
-        "step": f"{step:.3f}",
-        "timeout": f"{timeout_seconds:g}s",
-    }
-    url = prometheus_url.rstrip("/") + "/api/v1/query_range?" + urllib.parse.urlencode(params)
-    request = urllib.request.Request(url, headers={"Accept": "application/json"})
     try:
-        with build_opener().open(request, timeout=timeout_seconds) as response:
-            body = response.read(_MAX_BODY_BYTES + 1)
-    except urllib.error.HTTPError as exc:
-        detail = exc.read(500).decode("utf-8", "replace")
-        exc.close()
-        raise GraphError(f"Prometheus answered HTTP {exc.code}: {detail}") from None
-    except (OSError, http.client.HTTPException) as exc:
-        raise GraphError(f"Prometheus at {prometheus_url} is unreachable: {exc}") from None
-    if len(body) > _MAX_BODY_BYTES:
-        raise GraphError(f"the answer is larger than {_MAX_BODY_BYTES} bytes")
-    try:
-        answer = json.loads(body)
-        result = answer["data"]["result"] if answer.get("status") == "success" else None
-    except (ValueError, KeyError, TypeError, AttributeError):
-        raise GraphError("Prometheus answered with something that is not its API's JSON") from None
-    if not isinstance(result, list):
-        raise GraphError(f"Prometheus refused the query: {answer.get('error', 'no reason')}")
+        result = verify.query_range(
+            prometheus_url,
+            query,
+            start=start.timestamp(),
+            end=end.timestamp(),
+            step=step,
+            timeout_seconds=timeout_seconds,
+        )
+    except verify.QueryError as exc:
+        raise GraphError(str(exc)) from None
     out = []
     for item in result:
         values = item.get("values") if isinstance(item, dict) else None

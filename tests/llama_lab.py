@@ -329,6 +329,31 @@ def die_with_parent() -> None:
     _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+def stop_process(process: subprocess.Popen[bytes], grace: float) -> None:
+    """SIGTERM `process`, SIGKILL it if it has not exited after `grace` seconds, and reap it.
+
+    A no-op for a process that has already ended, so teardown may call it twice.
+    """
+    if process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout=10)
+
+
+def log_tail(path: Path, lines: int) -> str:
+    """The last `lines` lines of a server's log file, headed by its path, for assertion messages."""
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError as error:
+        return f"(no log at {path}: {error})"
+    tail = "\n".join(text.splitlines()[-lines:])
+    return f"--- {path} (last {lines} lines) ---\n{tail}"
+
+
 def _clean_environment() -> dict[str, str]:
     """This process's environment without `LLAMA_ARG_*`.
 
@@ -416,12 +441,7 @@ class LlamaServer:
 
     def log_tail(self, lines: int = 40) -> str:
         """The last `lines` lines of the server's output, for assertion messages."""
-        try:
-            text = self.log_path.read_text(encoding="utf-8", errors="replace")
-        except OSError as error:
-            return f"(no log at {self.log_path}: {error})"
-        tail = "\n".join(text.splitlines()[-lines:])
-        return f"--- {self.log_path} (last {lines} lines) ---\n{tail}"
+        return log_tail(self.log_path, lines)
 
     def _raise_if_exited(self, waiting_for: str) -> None:
         status = self.returncode
@@ -551,12 +571,7 @@ class LlamaServer:
             # our requests first so the server can cancel them and exit cleanly.
             for generation in self._generations:
                 generation.cancel()
-            process.terminate()
-            try:
-                process.wait(timeout=self.grace)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(timeout=10.0)
+            stop_process(process, self.grace)
         if self._log is not None:
             self._log.close()
             self._log = None

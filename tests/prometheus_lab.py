@@ -23,7 +23,6 @@ from __future__ import annotations
 import http.server
 import json
 import shutil
-import signal
 import subprocess
 import threading
 import time
@@ -35,7 +34,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
-from tests.llama_lab import die_with_parent, free_port
+from tests.llama_lab import die_with_parent, free_port, log_tail, stop_process
 
 EXPOSITION_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -189,14 +188,8 @@ class PrometheusServer:
 
     def stop(self) -> None:
         """Stop Prometheus (SIGTERM, then SIGKILL) and reap it; safe to call twice."""
-        process = self._process
-        if process is not None and process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=self.grace)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(timeout=5)
+        if self._process is not None:
+            stop_process(self._process, self.grace)
         if self._log is not None:
             self._log.close()
             self._log = None
@@ -214,12 +207,7 @@ class PrometheusServer:
 
     def log_tail(self, lines: int = 30) -> str:
         """The last lines of Prometheus' log, for assertion messages."""
-        try:
-            text = self.log_path.read_text(encoding="utf-8", errors="replace")
-        except OSError as error:
-            return f"(no log at {self.log_path}: {error})"
-        tail = "\n".join(text.splitlines()[-lines:])
-        return f"--- {self.log_path} (last {lines} lines) ---\n{tail}"
+        return log_tail(self.log_path, lines)
 
     # -- waits and queries --------------------------------------------------------------------
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-from tests.llama_lab import LabError, free_port
+from tests.llama_lab import LabError, free_port, stop_process
 
 SSHD = Path("/usr/sbin/sshd")
 REPO = Path(__file__).resolve().parent.parent
@@ -144,13 +144,8 @@ class SshLab:
 
     def stop(self) -> None:
         """Stop sshd (its sessions' children are not ours to keep)."""
-        if self._process is not None and self._process.poll() is None:
-            self._process.terminate()
-            try:
-                self._process.wait(5)
-            except subprocess.TimeoutExpired:
-                self._process.kill()
-                self._process.wait(5)
+        if self._process is not None:
+            stop_process(self._process, 5)
 
     def __enter__(self) -> SshLab:
         return self.start()

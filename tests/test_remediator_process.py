@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests.llama_lab import free_port, wait_until
+from tests.llama_lab import free_port, stop_process, wait_until
 from tests.pg import throwaway_database
 from tests.remediator_lab import ALERTMANAGER_FIXTURES, CountingServer, Setup, write_setup
 
@@ -79,13 +79,8 @@ class Replica:
         self.proc.wait(timeout=10)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            stop_process(self.proc, 15)
 
 
 def alert_for(server: str, fingerprint: str, starts: str = "2026-11-30T07:00:00Z") -> Any:

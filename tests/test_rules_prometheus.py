@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.llama_lab import free_port
+from tests.llama_lab import free_port, stop_process
 from tests.prometheus_lab import PrometheusServer
 from tests.sysfs_tree import apu_spec, discrete_spec, set_value, write_amd_card, write_k10temp
 
@@ -158,12 +158,7 @@ def prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RulesPromet
         yield server
     finally:
         server.stop()
-        exporter.terminate()
-        try:
-            exporter.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            exporter.kill()
-            exporter.wait()
+        stop_process(exporter, 10)
         exporter_log.close()
 
 

@@ -24,7 +24,6 @@ import http.server
 import json
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -45,7 +44,7 @@ from remediator.alerts import Notification, parse_notification
 from remediator.config import DEFAULT_LISTEN
 from remediator.webhook import MAX_BODY_BYTES
 from remediator.webhook import PATH as WEBHOOK_PATH
-from tests.llama_lab import die_with_parent, free_port
+from tests.llama_lab import die_with_parent, free_port, log_tail, stop_process
 
 REPO = Path(__file__).resolve().parent.parent
 PROMETHEUS_EXAMPLE = REPO / "examples" / "prometheus.yml"
@@ -385,19 +384,13 @@ class Alertmanager:
             time.sleep(0.05)
 
     def stop(self) -> None:
-        if self._process is not None and self._process.poll() is None:
-            self._process.send_signal(signal.SIGTERM)
-            try:
-                self._process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self._process.kill()
-                self._process.wait(timeout=5)
+        if self._process is not None:
+            stop_process(self._process, 10)
         if self._log is not None:
             self._log.close()
 
     def log_tail(self) -> str:
-        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-        return "--- alertmanager log ---\n" + "\n".join(text.splitlines()[-30:])
+        return log_tail(self.log_path, 30)
 
     def post(self, alerts: list[dict[str, Any]]) -> None:
         request = urllib.request.Request(

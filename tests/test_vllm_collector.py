@@ -413,3 +413,29 @@ def test_promtool_accepts_the_exposition(
     )
     assert check.returncode == 0, check.stdout + check.stderr
     assert check.stdout + check.stderr == ""
+
+
+def test_summed_counters_do_not_drop_when_one_engine_restarts(
+    make: MakeCollector, stand_in: MakeStandIn, tmp_path: Path
+) -> None:
+    """vLLM restarts a dead engine; its counters start at 0 again, the sum must not drop."""
+    served = tmp_path / "metrics.txt"
+    shutil.copy(V1, served)
+    collector = make({"gamma": roster_server(stand_in(served).url)})
+    registry, _ = scrape(collector)
+    before = value(registry, "gpufleet_vllm_generation_tokens_total")
+    assert before == 372_640 + 385_063
+    # Engine 1 restarted and has generated 100 tokens since; engine 0 went on by 10.
+    text = served.read_text()
+    engine0 = f'vllm:generation_tokens_total{{engine="0",model_name="{MODEL}"}} 372640.0\n'
+    engine1 = f'vllm:generation_tokens_total{{engine="1",model_name="{MODEL}"}} 385063.0\n'
+    assert engine0 in text and engine1 in text
+    text = text.replace(engine0, engine0.replace("372640.0", "372650.0"))
+    served.write_text(text.replace(engine1, engine1.replace("385063.0", "100.0")))
+    registry, _ = scrape(collector)
+    after = value(registry, "gpufleet_vllm_generation_tokens_total")
+    assert after == before + 10 + 100  # what was generated in between, nothing more or less
+    # The engine vanishes from /metrics altogether (data parallelism reduced): its count stays.
+    served.write_text(served.read_text().replace(engine1.replace("385063.0", "100.0"), ""))
+    registry, _ = scrape(collector)
+    assert value(registry, "gpufleet_vllm_generation_tokens_total") == after

@@ -37,6 +37,12 @@ How it reads:
   names the file, and the collector raises `CollectorError` after yielding the rest.
 - A `/metrics` that answers 200 without any `vllm:` series is `disabled`: that is vLLM started
   with `--disable-log-stats`, which registers no stat logger.
+- Counters summed over engines stay counters when one engine restarts. vLLM restarts a dead
+  data-parallel engine on its own, and its counters start again from 0: the plain sum would
+  drop, and `rate()` would read the drop as a reset and count the whole sum as new (a spike
+  of millions of tokens). So the collector remembers each engine's last value (per label
+  set); when one goes down, the value it had reached is carried as an offset, and an engine
+  that vanishes keeps its last value in the sum. The sum only resets when the exporter does.
 - The KV-cache ratio comes from `vllm:kv_cache_usage_perc` (a 0-1 fraction despite its name),
   else from its name before vLLM 0.9, `vllm:gpu_cache_usage_perc`. A series vLLM does not
   export is left out, never reported as 0.
@@ -79,6 +85,15 @@ _PROMPT_TOKENS = "vllm:prompt_tokens_total"
 _GENERATION_TOKENS = "vllm:generation_tokens_total"
 _PREEMPTIONS = "vllm:num_preemptions_total"
 _TTFT = "vllm:time_to_first_token_seconds"
+# The counter samples (histogram buckets, sums and counts are counters too).
+_COUNTERS = (
+    _PROMPT_TOKENS,
+    _GENERATION_TOKENS,
+    _PREEMPTIONS,
+    f"{_TTFT}_bucket",
+    f"{_TTFT}_sum",
+    f"{_TTFT}_count",
+)
 
 _Samples = dict[str, list[Sample]]
 
@@ -103,6 +118,34 @@ class _Memory:
     served_model: str = ""
     status: str = ""  # the last logged summary, to log changes instead of every scrape
     key_problem: str = ""
+    # Per vLLM counter sample (name and labels: one engine, one bucket): its last value and
+    # what it had counted before its resets, so sums over engines never go down.
+    counters: dict[tuple[str, tuple[tuple[str, str], ...]], tuple[float, float]] = field(
+        default_factory=dict
+    )
+
+    def monotonic(self, samples: _Samples) -> _Samples:
+        """`samples` with each counter as counted since the exporter started.
+
+        Every engine's restarts are absorbed, and engines that vanished stay in at their last
+        value.
+        """
+        adjusted = dict(samples)
+        for name in _COUNTERS:
+            for sample in samples.get(name, ()):
+                key = (name, tuple(sorted(sample.labels.items())))
+                last, offset = self.counters.get(key, (0.0, 0.0))
+                if sample.value < last:  # this engine restarted: keep what it had counted
+                    offset += last
+                self.counters[key] = (sample.value, offset)
+            remembered = [
+                Sample(name, dict(labels), last + offset)
+                for (counter, labels), (last, offset) in self.counters.items()
+                if counter == name
+            ]
+            if remembered:
+                adjusted[name] = remembered
+        return adjusted
 
 
 @dataclass
@@ -327,7 +370,7 @@ class VllmCollector:
             return
         for state in ENDPOINT_STATES:
             f.endpoint.add_metric([name, "metrics", state], 1.0 if read.state == state else 0.0)
-        _export_samples(name, read.samples, f)
+        _export_samples(name, memory.monotonic(read.samples), f)
 
     def _note_key_problem(
         self, name: str, server: Server, problem: str, memory: _Memory, failures: list[str]

@@ -9,15 +9,33 @@ and both members of an HA pair send it, so (`fingerprint`, `startsAt`) is its id
 A payload that is not such a notification is refused with a message naming the bad field
 (`alerts[2].startsAt: Input should be a valid datetime`), so Alertmanager's logs say what is
 wrong; nothing of it is acted on.
+
+Times are aware UTC once parsed (a time without an offset is taken as UTC, as Alertmanager
+writes them). Alertmanager's zero time, `0001-01-01T00:00:00Z` — the `endsAt` of every firing
+alert — means "none". A time that cannot be represented in UTC (`0001-01-01T00:00:00+01:00`
+lies before the year 1) is refused with its field named.
 """
 
 from __future__ import annotations
 
 import json
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+ZERO_TIME = datetime(1, 1, 1, tzinfo=UTC)
+"""Go's zero `time.Time`, which Alertmanager sends for "no time" (`endsAt` while firing)."""
+
+
+def as_utc(value: datetime) -> datetime:
+    """`value` in aware UTC; raises ValueError when UTC cannot represent it."""
+    if value.tzinfo is None:
+        return value.replace(tzinfo=UTC)
+    try:
+        return value.astimezone(UTC)
+    except OverflowError:
+        raise ValueError("cannot be represented in UTC (out of the years 1 to 9999)") from None
 
 
 class PayloadError(ValueError):
@@ -39,6 +57,22 @@ class Alert(_Model):
     endsAt: datetime | None = None
     generatorURL: str = ""
     fingerprint: str = Field(min_length=1, max_length=64)
+
+    @field_validator("startsAt", mode="after")
+    @classmethod
+    def _starts_utc(cls, value: datetime) -> datetime:
+        utc = as_utc(value)
+        if utc == ZERO_TIME:
+            raise ValueError("the zero time: an alert must say when it started")
+        return utc
+
+    @field_validator("endsAt", mode="after")
+    @classmethod
+    def _ends_utc(cls, value: datetime | None) -> datetime | None:
+        if value is None:
+            return None
+        utc = as_utc(value)
+        return None if utc == ZERO_TIME else utc
 
     @property
     def alertname(self) -> str:
@@ -74,10 +108,14 @@ def parse_notification(body: bytes) -> Notification:
         data = json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
         raise PayloadError(f"body is not JSON: {exc}") from None
+    except RecursionError:
+        raise PayloadError("(body): JSON nested too deeply") from None
     if not isinstance(data, dict):
         raise PayloadError("(body): must be a JSON object (an Alertmanager notification)")
     try:
         return Notification.model_validate(data)
+    except RecursionError:
+        raise PayloadError("(body): nested too deeply") from None
     except ValidationError as exc:
         problems = [f"{_path(tuple(err['loc']))}: {err['msg']}" for err in exc.errors()[:10]]
         raise PayloadError("; ".join(problems)) from None

@@ -3,9 +3,17 @@
     gpu-fleet-remediator serve --config FILE
     gpu-fleet-remediator check-config --config FILE
     gpu-fleet-remediator replay FILE.json --config FILE [--dry-run]
-    gpu-fleet-remediator runs --config FILE [--limit N] [--json]
+    gpu-fleet-remediator runs --config FILE [--limit N] [--json] [--waiting]
     gpu-fleet-remediator roster file-sd (--roster FILE | --config FILE)
     gpu-fleet-remediator init-config DIR [--roster FILE]
+
+What people do, journaled with who (`cli:$USER`) and why (`--reason`):
+
+    gpu-fleet-remediator pause|resume --config FILE [--reason TEXT]
+    gpu-fleet-remediator maintenance HOST on|off --config FILE [--until TIME] [--reason TEXT]
+    gpu-fleet-remediator breaker reset TARGET --config FILE [--reason TEXT]
+    gpu-fleet-remediator escalation ack EVENT_ID --config FILE [--reason TEXT]
+    gpu-fleet-remediator cancel RUN_ID --config FILE [--reason TEXT]
 
 A config, roster or playbook that is not valid stops the command with exit status 2 and one
 line per problem, each naming the file and the key path.
@@ -14,18 +22,21 @@ line per problem, each naming the file and the key path.
 from __future__ import annotations
 
 import argparse
+import getpass
 import json
 import logging
 import os
 import secrets
 import signal
 import sys
+from datetime import datetime
 from pathlib import Path
 from types import FrameType
 
 from exporter.roster import RosterError, load_roster
+from remediator.alerts import as_utc
 from remediator.config import ConfigError, RemediatorConfig, load_config
-from remediator.journal.store import JournalError, RunRecord
+from remediator.journal import JournalError, RunRecord, RunStateError
 from remediator.playbooks.loader import PlaybookError, load_playbooks
 from remediator.service import Services, build_services
 
@@ -58,6 +69,28 @@ def _parser() -> argparse.ArgumentParser:
     runs = with_config(sub.add_parser("runs", help="recent runs, as a table"))
     runs.add_argument("--limit", type=int, default=20)
     runs.add_argument("--json", action="store_true", help="JSON instead of a table")
+    runs.add_argument("--waiting", action="store_true", help="only the runs that wait")
+
+    def acting(cmd: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        cmd.add_argument("--reason", default="", help="why (journaled with who did it)")
+        return with_config(cmd)
+
+    acting(sub.add_parser("pause", help="pause all remediation (runs wait)"))
+    acting(sub.add_parser("resume", help="resume remediation"))
+    maint = acting(sub.add_parser("maintenance", help="put a host in maintenance or take it out"))
+    maint.add_argument("host")
+    maint.add_argument("state", choices=["on", "off"])
+    maint.add_argument("--until", type=_time, help="when it ends by itself (RFC 3339, UTC)")
+    breaker = sub.add_parser("breaker", help="circuit breakers")
+    breaker_sub = breaker.add_subparsers(dest="breaker_command", required=True)
+    reset = acting(breaker_sub.add_parser("reset", help="close a target's open breaker"))
+    reset.add_argument("target", help="the target key, e.g. server/dioscuri/alpha")
+    escalation = sub.add_parser("escalation", help="escalations")
+    escalation_sub = escalation.add_subparsers(dest="escalation_command", required=True)
+    ack = acting(escalation_sub.add_parser("ack", help="acknowledge an escalation"))
+    ack.add_argument("event_id", type=int, help="the escalation's event id")
+    cancel = acting(sub.add_parser("cancel", help="cancel a run that waits or is queued"))
+    cancel.add_argument("run_id", type=int)
     roster = sub.add_parser("roster", help="roster helpers")
     roster_sub = roster.add_subparsers(dest="roster_command", required=True)
     file_sd = roster_sub.add_parser("file-sd", help="Prometheus file_sd JSON for the exporters")
@@ -72,6 +105,16 @@ def _parser() -> argparse.ArgumentParser:
 
 def _load(path: Path) -> RemediatorConfig:
     return load_config(path)
+
+
+def _time(text: str) -> datetime:
+    try:
+        return as_utc(datetime.fromisoformat(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not an RFC 3339 time: {exc}") from None
+
+
+_ACTS = ("pause", "resume", "maintenance", "breaker", "escalation", "cancel")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,6 +138,11 @@ def main(argv: list[str] | None = None) -> int:
             with_engine=args.command in ("serve", "replay"),
             dry_run=True if getattr(args, "dry_run", False) else None,
         )
+        if args.command in _ACTS:
+            try:
+                return _act(services, args)
+            finally:
+                services.close()
     except (ConfigError, RosterError, PlaybookError) as exc:
         print(f"gpu-fleet-remediator: {exc}", file=sys.stderr)
         return EXIT_CONFIG
@@ -106,9 +154,43 @@ def main(argv: list[str] | None = None) -> int:
             return _serve(services)
         if args.command == "replay":
             return _replay(services, args.payload)
-        return _runs(services, args.limit, as_json=args.json)
+        return _runs(services, args.limit, as_json=args.json, waiting=args.waiting)
     finally:
         services.close()
+
+
+def _act(services: Services, args: argparse.Namespace) -> int:
+    """A person's act on the journal, as the admin API does it; journaled with who and why."""
+    journal = services.journal
+    who = f"cli:{getpass.getuser()}"
+    reason = args.reason
+    try:
+        if args.command in ("pause", "resume"):
+            journal.set_paused(args.command == "pause", by=who, reason=reason)
+            print(f"remediation {'paused' if args.command == 'pause' else 'resumed'}")
+        elif args.command == "maintenance":
+            if args.host not in services.roster.hosts:
+                print(f"gpu-fleet-remediator: no host {args.host!r} in the roster", file=sys.stderr)
+                return EXIT_CONFIG
+            journal.set_maintenance(args.host, args.state == "on", by=who, reason=reason,
+                                    until=args.until)  # fmt: skip
+            print(f"host {args.host}: maintenance {args.state}")
+        elif args.command == "breaker":
+            if not journal.reset_breaker(args.target, by=who, reason=reason):
+                print(f"gpu-fleet-remediator: the breaker of {args.target} is not open",
+                      file=sys.stderr)  # fmt: skip
+                return EXIT_RUNTIME
+            print(f"breaker of {args.target} reset")
+        elif args.command == "escalation":
+            journal.acknowledge(args.event_id, by=who, reason=reason)
+            print(f"escalation {args.event_id} acknowledged")
+        else:
+            journal.cancel_run(args.run_id, by=who, reason=reason)
+            print(f"run {args.run_id} cancelled")
+    except RunStateError as exc:
+        print(f"gpu-fleet-remediator: {exc}", file=sys.stderr)
+        return EXIT_RUNTIME
+    return 0
 
 
 def _check(config: RemediatorConfig) -> int:
@@ -179,7 +261,7 @@ def _replay(services: Services, payload: Path) -> int:
     except (OSError, PayloadError) as exc:
         print(f"gpu-fleet-remediator: {payload}: {exc}", file=sys.stderr)
         return EXIT_CONFIG
-    result = services.journal.record_notification(notification, body)
+    result = services.journal.admit(notification, body)
     assert services.engine is not None
     services.engine.process_all()
     print(
@@ -206,8 +288,8 @@ def _describe(run: RunRecord) -> str:
     return "\n".join(lines)
 
 
-def _runs(services: Services, limit: int, *, as_json: bool) -> int:
-    runs = services.journal.recent_runs(limit)
+def _runs(services: Services, limit: int, *, as_json: bool, waiting: bool = False) -> int:
+    runs = services.journal.waiting_runs(limit) if waiting else services.journal.recent_runs(limit)
     if as_json:
         from remediator.web import run_json  # noqa: PLC0415
 
@@ -219,6 +301,8 @@ def _runs(services: Services, limit: int, *, as_json: bool) -> int:
     print(header)
     for run in runs:
         result = run.outcome or run.decision or run.state
+        if run.waiting:
+            result = f"waiting ({run.wait_reason}) until {run.not_before:%H:%M:%S}"
         print(
             f"{run.id:>6}  {run.created_at:%Y-%m-%d %H:%M:%S}  {run.alert.alertname[:24]:24}  "
             f"{(run.playbook or '-')[:24]:24}  {(run.target or '-')[:28]:28}  {result}"

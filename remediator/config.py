@@ -22,8 +22,12 @@ The keys are fixed by DESIGN.md ("The remediator's config"); the last block adds
     replica_id: central-1                     # default: this machine's hostname
     workers: 4                                # threads that run playbooks
     retention_days: 30                        # how long the journal keeps finished runs
-    limits: {max_concurrent_runs: 4, max_runs_per_hour: 30}   # fleet-wide caps
-    lock_ttl_seconds: 900                     # a dead replica's target lock expires after this
+    limits: {max_concurrent_runs: 4, max_runs_per_hour: 30,   # fleet-wide caps
+             max_wait_seconds: 3600,          # a run waiting for a passing reason, at most
+             wait_report_after_seconds: 300}  # a short report once it waited this long
+    lock_ttl_seconds: 900                     # a silent replica's running runs free their targets
+    dedupe_window_seconds: 600                # copies of an alert whose startsAt differ by less
+                                              # are one occurrence (HA Prometheus pairs)
 
 What host actions need (all optional; the defaults shown):
 
@@ -360,10 +364,17 @@ class AuthSettings(_Strict):
 
 
 class Limits(_Strict):
-    """Fleet-wide caps on playbook runs, over all replicas."""
+    """The rails' limits, over all replicas (`remediator.journal.rails`).
+
+    Caps: runs acting at once, disruptive runs started per hour. A run refused for a passing
+    reason waits at most `max_wait_seconds` (then ends `expired`, reported); one that waits
+    past `wait_report_after_seconds` gets a short report saying why it waits.
+    """
 
     max_concurrent_runs: int = Field(default=4, ge=1, le=1000)
     max_runs_per_hour: int = Field(default=30, ge=1, le=100_000)
+    max_wait_seconds: float = Field(default=3600.0, ge=1, le=7 * 86400)
+    wait_report_after_seconds: float = Field(default=300.0, ge=0, le=7 * 86400)
 
 
 class ZulipSettings(_Strict):
@@ -495,6 +506,7 @@ class RemediatorConfig(_Strict):
     retention_days: int = Field(default=30, ge=1, le=3650)
     limits: Limits = Limits()
     lock_ttl_seconds: float = Field(default=900.0, ge=10, le=86400)
+    dedupe_window_seconds: float = Field(default=600.0, ge=0, le=86400)
     ssh: SshClientSettings = SshClientSettings()
     node_command: list[str] = Field(default=["gpu-fleet-node"], min_length=1, max_length=16)
     http_request: HttpRequestSettings = HttpRequestSettings()
@@ -532,7 +544,14 @@ class RemediatorConfig(_Strict):
                 "secrets come from files, never inline in YAML: drop the password from the URL "
                 "and give libpq a passfile (`?passfile=/etc/gpu-fleet/pgpass` or ~/.pgpass)"
             )
-        if backend == "sqlite" and url.database in (None, "", ":memory:"):
+        database = url.database or ""
+        in_memory = (
+            database in ("", ":memory:")
+            or database.startswith("file::memory:")
+            or "mode=memory" in database
+            or url.query.get("mode") == "memory"
+        )
+        if backend == "sqlite" and in_memory:
             raise ValueError(
                 "a SQLite journal needs a file (sqlite:////var/lib/…): it must survive a restart"
             )

@@ -1,19 +1,24 @@
-"""The engine: workers that take journaled runs, decide, act, verify and journal every step.
+"""The engine: workers that take admitted runs, judge them at the rails, act, verify, report.
 
 A run's life, all of it in the journal (so replicas agree and a crash loses nothing):
-`pending` (the webhook journaled a new firing alert) → `claimed` by one worker of one replica →
-a decision: `notify_only` (no playbook), `rejected` (target not in the roster), `paused`,
-`maintenance`, `breaker_open`, `cooldown`, `rate_limited`, `dry_run`, `locked` (another run
-holds the target) — or `run`: `running`, steps one by one, verification, then `done` with an
-outcome (`healed`, `not_healed`, `failed`, `done_unverified`). A run that was executing when
-the process died is marked `interrupted` at the next start and reported, never re-run blindly.
+`pending` (admitted by the webhook, `remediator.journal.admission`) → `claimed` by one worker
+of one replica → a decision: `notify_only` (no playbook), `rejected` (target not in the
+roster), `resolved` (its alert no longer fires), `dry_run` — or the rails
+(`remediator.journal.rails`, one transaction): `running`, or back to `pending` to wait for a
+passing reason (pause, maintenance, cooldown, the hourly cap, a busy fleet, a held target),
+or an end (`breaker_open`, `expired` after waiting too long). A running run executes its
+steps one by one — asking first, before each step that changes something, whether its alert
+still fires (`remediator.firing`) — then verifies, then ends with an outcome (`healed`,
+`not_healed`, `failed`, `done_unverified`, `resolved`), its budgets and its reports in one
+transaction. A run that was executing when the process died is marked `interrupted` at the
+next start and reported, never re-run blindly.
+
+Every loop (the workers, the heartbeat) survives any exception: it is logged and counted
+(`gpufleet_remediator_loop_errors_total{loop}`) and the loop goes on; `alive()` says whether
+every loop thread still runs (`/healthz` answers 503 otherwise).
 
 The engine does not care which kind of action a step is: actions are looked up by name in the
 registry and run with typed params filled from the roster-resolved target only.
-
-With a `Reporter` (Zulip configured), every end of a run — an outcome, a decision that ran
-nothing, an interruption, an escalation — queues its report in the outbox in the same
-transaction that journals it; a report that cannot be rendered is logged and never stops a run.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 
 from exporter.roster import Roster
 from remediator.actions.power import restore_due_power_caps
@@ -38,24 +43,29 @@ from remediator.actions.registry import (
 )
 from remediator.actions.settings import ActionSettings
 from remediator.alerts import Alert
-from remediator.journal.store import (
+from remediator.firing import FiringCheck
+from remediator.journal import (
     AlertRecord,
     Journal,
     JournalError,
+    Plan,
     QueuedReport,
     RunRecord,
     RunStateError,
+    Verdict,
 )
 from remediator.metrics import RemediatorMetrics
 from remediator.notify.report import Reporter
+from remediator.playbooks.budget import disruption_set
 from remediator.playbooks.loader import Rejection, Target, match_playbook, resolve_target
 from remediator.playbooks.model import Playbook
-from remediator.policy import Limits, judge
-from remediator.verify import promql_holds
+from remediator.prometheus_api import promql_holds
 
 log = logging.getLogger(__name__)
 
 HEALED = ("healed", "done_unverified")
+# After an unexpected error a loop waits this long before its next pass (no hot error loop).
+_LOOP_BACKOFF_SECONDS = 1.0
 
 
 def _utcnow() -> datetime:
@@ -64,21 +74,14 @@ def _utcnow() -> datetime:
 
 @dataclass(frozen=True)
 class EngineSettings:
-    """How the engine works; from the config."""
+    """How the engine works; from the config (the rails' limits live in the journal)."""
 
     workers: int
-    limits: Limits
     dry_run: bool
     prometheus_url: str
-    lock_ttl: timedelta
     poll_seconds: float = 1.0
     heartbeat_seconds: float = 5.0
     prune_seconds: float = 3600.0
-    # A burst of notifications is ingested once it has been quiet this long, or at the latest
-    # after ingest_max_delay_seconds: while Alertmanager is delivering, the webhook keeps the
-    # journal's write lock (and the GIL) to itself and answers fast.
-    ingest_quiet_seconds: float = 0.1
-    ingest_max_delay_seconds: float = 1.0
     # What host actions need (executors, allow-lists); the default lets them refuse clearly.
     actions: ActionSettings = field(default_factory=ActionSettings)
 
@@ -89,12 +92,14 @@ class RunEffects:
 
     `undos`: compensating steps, with the index of the step that asked, run at the end of the
     run whatever happened; `escalations`: reasons to call people; `finished`: the run ended
-    early and successfully (a false alarm), no further steps and no verification.
+    early and successfully (a false alarm), no further steps and no verification;
+    `resolved`: the alert stopped firing before a step that changes something.
     """
 
     undos: list[tuple[int, Undo]] = field(default_factory=list)
     escalations: list[str] = field(default_factory=list)
     finished: str | None = None
+    resolved: str | None = None
     undone: bool = False
 
 
@@ -108,6 +113,49 @@ def alert_of(record: AlertRecord) -> Alert:
         generatorURL=record.generator_url,
         fingerprint=record.fingerprint,
     )
+
+
+class Loop:
+    """A background loop that survives any exception in its body (logged and counted)."""
+
+    def __init__(
+        self,
+        name: str,
+        body: Callable[[], None],
+        stop: threading.Event,
+        metrics: RemediatorMetrics,
+    ) -> None:
+        self.name = name
+        self._body = body
+        self._stop = stop
+        self._metrics = metrics
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> None:
+        """Start the thread."""
+        self._thread.start()
+
+    def join(self, timeout: float) -> None:
+        """Wait (bounded) for the thread to end."""
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        """True while the thread runs."""
+        return self._thread.is_alive()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._body()
+            except JournalError as exc:
+                self._metrics.loop_errors.labels(self.name).inc()
+                log.error("%s: journal unavailable: %s", self.name, exc)
+                self._stop.wait(_LOOP_BACKOFF_SECONDS)
+            except Exception:
+                self._metrics.loop_errors.labels(self.name).inc()
+                log.exception("%s: unexpected error; the loop goes on", self.name)
+                self._stop.wait(_LOOP_BACKOFF_SECONDS)
 
 
 class Engine:
@@ -124,6 +172,7 @@ class Engine:
         clock: Callable[[], datetime] = _utcnow,
         reporter: Reporter | None = None,
         on_report: Callable[[], None] | None = None,
+        firing: FiringCheck | None = None,
     ) -> None:
         self.journal = journal
         self.reporter = reporter
@@ -132,29 +181,24 @@ class Engine:
         self.playbooks = playbooks
         self.settings = settings
         self.metrics = metrics
+        self.firing = firing if firing is not None else FiringCheck(settings.prometheus_url)
         self._clock = clock
-        self._wake = threading.Event()  # runs are queued
-        self._accepted = threading.Event()  # the webhook accepted a notification
-        self._last_accepted = 0.0  # time.monotonic() of the latest one
+        self._wake = threading.Event()  # runs are queued or became due
         self._stop = threading.Event()
-        self._threads: list[threading.Thread] = []
+        self._loops: list[Loop] = []
         self._active: set[int] = set()
         self._active_lock = threading.Lock()
 
     # -- life cycle ---------------------------------------------------------------------------
 
     def recover(self) -> list[int]:
-        """Mark this replica's runs that were executing at a crash `interrupted`; report them.
-
-        Notifications accepted but not yet ingested when the process died are ingested now.
-        """
+        """Mark this replica's runs that were executing at a crash `interrupted`; report them."""
         reporter = self.reporter
         interrupted = self.journal.recover_interrupted(
             (lambda run: self._reports(reporter.interrupted_reports, run))
             if reporter is not None
             else None
         )
-        self.ingest()
         for run_id in interrupted:
             run = self.journal.get_run(run_id)
             playbook = run.playbook if run and run.playbook else "unknown"
@@ -184,104 +228,64 @@ class Engine:
     def start(self) -> None:
         """Recover from a crash, then start the workers and the heartbeat."""
         self.recover()
-        for index in range(self.settings.workers):
-            thread = threading.Thread(target=self._work, name=f"engine-{index}", daemon=True)
-            thread.start()
-            self._threads.append(thread)
-        for target, name in ((self._heartbeat, "engine-heartbeat"), (self._ingester, "ingest")):
-            thread = threading.Thread(target=target, name=name, daemon=True)
-            thread.start()
-            self._threads.append(thread)
+        self._loops = [
+            Loop(f"engine-{index}", self._work_once, self._stop, self.metrics)
+            for index in range(self.settings.workers)
+        ]
+        self._loops.append(Loop("engine-heartbeat", self._heartbeat_once, self._stop,
+                                self.metrics))  # fmt: skip
+        self._next_prune = time.monotonic()
+        self._next_restore = time.monotonic()
+        for loop in self._loops:
+            loop.start()
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop taking work; wait (bounded) for runs in progress to finish their step."""
         self._stop.set()
         self._wake.set()
-        self._accepted.set()
         deadline = time.monotonic() + timeout
-        for thread in self._threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
+        for loop in self._loops:
+            loop.join(max(0.0, deadline - time.monotonic()))
+
+    def dead_loops(self) -> list[str]:
+        """The loops whose thread ended although the engine was not stopped (`/healthz`)."""
+        if self._stop.is_set():
+            return []
+        return [loop.name for loop in self._loops if not loop.alive]
 
     def wake(self) -> None:
-        """Tell the engine that the webhook accepted a notification."""
-        # A time stamp, not a signal, while the ingester already waits for quiet: waking its
-        # thread on every request of a burst would cost each acknowledgement a thread switch.
-        self._last_accepted = time.monotonic()
-        if not self._accepted.is_set():
-            self._accepted.set()
+        """Runs were admitted or became due: a sleeping worker looks now."""
+        self._wake.set()
 
-    def _ingester(self) -> None:
-        # One thread turns accepted notifications into runs, in batches: a burst of resends
-        # (repeat intervals, the HA pair) costs one transaction per batch, not one per
-        # notification racing the webhook's INSERTs for SQLite's write lock.
-        while not self._stop.is_set():
-            if not self._accepted.wait(self.settings.poll_seconds):
-                continue
-            self._wait_for_quiet()
-            try:
-                if self.ingest():
-                    self._wake.set()
-            except JournalError as exc:
-                log.error("engine: cannot ingest notifications: %s", exc)
-                self._accepted.set()  # try again after the poll interval
-                self._stop.wait(self.settings.poll_seconds)
+    def _work_once(self) -> None:
+        if self.process_one():
+            return
+        # Nothing due: sleep until woken, the next waiting run is due, or the poll interval.
+        pause = self.settings.poll_seconds
+        due = self.journal.next_due()
+        if due is not None:
+            pause = max(0.05, min(pause, (due - self._clock()).total_seconds()))
+        self._wake.wait(pause)
+        self._wake.clear()
 
-    def _wait_for_quiet(self) -> None:
-        """Return once no notification came for `ingest_quiet_seconds` (bounded), flag cleared.
-
-        Ingesting while Alertmanager still delivers a burst would take SQLite's write lock and
-        the GIL from the webhook between its requests and slow every acknowledgement; the runs
-        start at most `ingest_max_delay_seconds` later, which an alert held for minutes by its
-        `for:` does not notice.
-        """
-        quiet = self.settings.ingest_quiet_seconds
-        deadline = time.monotonic() + self.settings.ingest_max_delay_seconds
-        while not self._stop.is_set():
-            now = time.monotonic()
-            still = quiet - (now - self._last_accepted)  # until `quiet` after the latest
-            if still <= 0 or now >= deadline:
-                break
-            self._stop.wait(min(still, deadline - now))
-        # Cleared before the batch is read: a notification accepted from here on is either in
-        # the batch or sets the flag again for the next one.
-        self._accepted.clear()
-
-    def _work(self) -> None:
-        while not self._stop.is_set():
-            try:
-                worked = self.process_one()
-            except JournalError as exc:
-                log.error("engine: journal unavailable: %s", exc)
-                worked = False
-            if not worked:
-                self._wake.wait(self.settings.poll_seconds)
-                self._wake.clear()
-
-    def _heartbeat(self) -> None:
-        # Another replica's recovery must be able to tell a live run from a dead one. The same
-        # thread prunes the journal past its retention now and then, so it does not grow forever.
-        next_prune = time.monotonic()
-        next_restore = time.monotonic()
-        while not self._stop.wait(self.settings.heartbeat_seconds):
-            if time.monotonic() >= next_restore:
-                interval = self.settings.actions.power_cap_check_interval_seconds
-                next_restore = time.monotonic() + interval
-                self.restore_power_caps()
-            if time.monotonic() >= next_prune:
-                next_prune = time.monotonic() + self.settings.prune_seconds
-                try:
-                    pruned = self.journal.prune()
-                    if pruned:
-                        log.info("journal: pruned %d rows past the retention", pruned)
-                except JournalError as exc:
-                    log.warning("journal prune failed: %s", exc)
-            with self._active_lock:
-                active = list(self._active)
-            for run_id in active:
-                try:
-                    self.journal.heartbeat(run_id)
-                except JournalError as exc:
-                    log.warning("heartbeat of run %d failed: %s", run_id, exc)
+    def _heartbeat_once(self) -> None:
+        # Another replica must be able to tell a live run from a dead one. The same loop
+        # restores power caps when due and prunes the journal past its retention now and then.
+        if self._stop.wait(self.settings.heartbeat_seconds):
+            return
+        if time.monotonic() >= self._next_restore:
+            interval = self.settings.actions.power_cap_check_interval_seconds
+            self._next_restore = time.monotonic() + interval
+            self.restore_power_caps()
+        if time.monotonic() >= self._next_prune:
+            self._next_prune = time.monotonic() + self.settings.prune_seconds
+            pruned = self.journal.prune()
+            if pruned:
+                log.info("journal: pruned %d rows past the retention", pruned)
+        with self._active_lock:
+            active = list(self._active)
+        for run_id in active:
+            self.journal.heartbeat(run_id)
 
     def restore_power_caps(self) -> list[str]:
         """Restore due power caps (actions/power.py); never raises (the heartbeat calls it)."""
@@ -300,17 +304,8 @@ class Engine:
 
     # -- one run ------------------------------------------------------------------------------
 
-    def ingest(self) -> int:
-        """Turn notifications the webhook accepted into alerts and runs; how many new runs."""
-        result = self.journal.ingest_pending()
-        if result.resolved:
-            self._reported()  # resolutions may have queued closing reports
-        return len(result.new_run_ids)
-
     def process_one(self) -> bool:
-        """Claim and handle one run; False when the queue is empty (or the fleet is busy)."""
-        if self.journal.count_running() >= self.settings.limits.max_concurrent_runs:
-            return False  # the fleet-wide cap: leave the queue to wait, don't churn claims
+        """Claim and handle one due run; False when none is due."""
         run = self.journal.claim_next_run()
         if run is None:
             return False
@@ -320,6 +315,7 @@ class Engine:
             raise
         except Exception as exc:
             log.exception("run %d failed in the engine", run.id)
+            self.metrics.loop_errors.labels("run").inc()
             # Already decided or finished before the error (RunStateError): keep that.
             with contextlib.suppress(RunStateError):
                 self.journal.finish_run(
@@ -329,12 +325,37 @@ class Engine:
         return True
 
     def process_all(self) -> int:
-        """Ingest, then handle queued runs until none is left (`replay`, tests); how many."""
-        self.ingest()
+        """Handle due runs until none is left (`replay`, tests); how many were handled.
+
+        A run that waits is not due again at once, so this ends.
+        """
         count = 0
         while self.process_one():
             count += 1
         return count
+
+    def _final_reports(
+        self,
+        run: RunRecord,
+        playbook: Playbook | None,
+        target: Target | None,
+        **changes: object,
+    ) -> list[QueuedReport]:
+        """The report of a run as it will read once ended with `changes`."""
+        if self.reporter is None:
+            return []
+        current = self.journal.get_run(run.id) or run
+        final = replace(
+            current,
+            state="done",
+            playbook=playbook.name if playbook is not None else current.playbook,
+            target=target.key if target is not None else current.target,
+            finished_at=self._clock(),
+            **changes,  # type: ignore[arg-type]
+        )
+        return self._reports(
+            self.reporter.run_report, final, verify_query=self._verify_query(playbook, target)
+        )
 
     def _decide(
         self,
@@ -347,21 +368,7 @@ class Engine:
     ) -> None:
         name = playbook.name if playbook is not None else None
         key = target.key if target is not None else None
-        reports: list[QueuedReport] = []
-        if self.reporter is not None:
-            # The run as it will read once decided (steps of a dry-run included).
-            current = self.journal.get_run(run.id) or run
-            final = replace(
-                current,
-                state="done",
-                decision=decision,
-                reason=reason,
-                playbook=name or current.playbook,
-                target=key or current.target,
-                finished_at=self._clock(),
-            )
-            verify_query = self._verify_query(playbook, target)
-            reports = self._reports(self.reporter.run_report, final, verify_query=verify_query)
+        reports = self._final_reports(run, playbook, target, decision=decision, reason=reason)
         self.journal.decide(run.id, decision, reason, playbook=name, target=key, reports=reports)
         self.metrics.runs.labels(name or "none", decision).inc()
         log.info("run %d: %s (%s)", run.id, decision, reason)
@@ -375,6 +382,19 @@ class Engine:
             return None
         return target.fill(playbook.verify.promql) if playbook.verify.promql else None
 
+    def plan(self, playbook: Playbook, target: Target) -> Plan:
+        """What a run of `playbook` on `target` asks of the rails."""
+        breaker = playbook.policy.breaker
+        return Plan(
+            playbook=playbook.name,
+            host=target.host,
+            target=target.key,
+            disruption=disruption_set(playbook, target, self.roster),
+            cooldown_seconds=playbook.policy.cooldown_seconds,
+            max_failures=breaker.max_failures,
+            window_seconds=breaker.window_seconds,
+        )
+
     def handle(self, run: RunRecord) -> None:
         """Decide what a claimed run does, and do it."""
         alert = alert_of(run.alert)
@@ -386,89 +406,51 @@ class Engine:
         if isinstance(target, Rejection):
             self._decide(run, "rejected", target.reason, playbook=playbook)
             return
-        now = self._clock()
-        verdict = judge(
-            self.journal,
-            playbook,
-            target_key=target.key,
-            host=target.host,
-            limits=self.settings.limits,
-            dry_run=self.settings.dry_run,
-            now=now,
+        firing = self.firing.check(run.alert.labels, journal_firing=run.alert.status == "firing")
+        if not firing.firing:
+            self._decide(run, "resolved", f"the alert no longer fires ({firing.detail})",
+                         playbook=playbook, target=target)  # fmt: skip
+            return
+        if self.settings.dry_run or playbook.policy.dry_run:
+            self._dry_run(run, playbook, target, "dry-run: the steps were journaled, none was run")
+            return
+        plan = self.plan(playbook, target)
+        verdict = self.journal.admit_to_act(
+            run.id, plan, reports=lambda v: self._verdict_reports(run, playbook, target, v)
         )
-        if verdict.decision == "dry_run":
-            self._dry_run(run, playbook, target, verdict.reason)
+        if verdict.may_act:
+            self._execute(run, playbook, target, plan)
             return
-        if not verdict.may_act:
-            self._decide(run, verdict.decision, verdict.reason, playbook=playbook, target=target)
+        self.metrics.runs.labels(playbook.name, verdict.wait_reason or verdict.decision).inc()
+        if verdict.decision == "wait":
+            log.info("run %d waits (%s) until %s: %s", run.id, verdict.wait_reason,
+                     verdict.not_before, verdict.reason)  # fmt: skip
             return
-        if self._recurred(run, playbook, target, now):
-            self._decide(
-                run,
-                "breaker_open",
-                "the alert keeps coming back after heals: acting stopped, people called",
-                playbook=playbook,
-                target=target,
-            )
-            return
-        if self.journal.count_running() >= self.settings.limits.max_concurrent_runs:
-            # Not a refusal: the run waits for a free place (another worker will claim it).
-            self.journal.requeue(run.id, "fleet-wide concurrency cap reached")
-            self._stop.wait(self.settings.poll_seconds)
-            return
-        if not self.journal.try_lock(target.key, run.id, self.settings.lock_ttl):
-            self._decide(
-                run,
-                "locked",
-                f"another run is acting on {target.key}",
-                playbook=playbook,
-                target=target,
-            )
-            return
-        try:
-            self._execute(run, playbook, target)
-        finally:
-            self.journal.release_lock(target.key, run.id)
+        log.info("run %d: %s (%s)", run.id, verdict.decision, verdict.reason)
+        if verdict.opened:
+            self.metrics.escalations.labels(playbook.name).inc()
+            log.error("circuit breaker opened for %s: %s", target.key, verdict.reason)
+        self._reported()
 
-    def _recurred(self, run: RunRecord, playbook: Playbook, target: Target, now: datetime) -> bool:
-        """Count an alert that came back within the window after a heal; True if it opened.
-
-        A heal resets the breaker's count, so a count of zero with a recent finished run means
-        that run healed, and the alert is back anyway: that heal did not stick.
-        """
-        target_key = target.key
-        until = self.journal.cooldown_until(target_key, playbook.name)
-        breaker = playbook.policy.breaker
-        if until is None or until > now:
-            return False  # never ran, or still cooling down (judge() reports that)
-        if self.journal.breaker(target_key, playbook.name).failures > 0:
-            return False  # the last run did not heal: record_breaker_outcome counted it
-        last_finished = until - timedelta(seconds=playbook.policy.cooldown_seconds)
-        if now - last_finished > timedelta(seconds=breaker.window_seconds):
-            return False
-        why = "the alert keeps coming back after heals"
-        opened = self.journal.record_breaker_outcome(
-            target_key,
-            playbook.name,
-            healed=False,
-            max_failures=breaker.max_failures,
-            window=timedelta(seconds=breaker.window_seconds),
-            on_open=self._escalation_reports(run, playbook, target_key, why),
-            run_id=run.id,
-        )
-        if opened:
-            self._escalate(playbook, target_key, why)
-        return opened
-
-    def _escalation_reports(
-        self, run: RunRecord, playbook: Playbook, target_key: str, why: str
+    def _verdict_reports(
+        self, run: RunRecord, playbook: Playbook, target: Target, verdict: Verdict
     ) -> list[QueuedReport]:
+        """The reports of a rails decision (rendered inside its transaction: text only)."""
         if self.reporter is None:
             return []
-        return self._reports(
-            self.reporter.escalation_reports, run, playbook=playbook.name, target=target_key,
-            why=why,
-        )  # fmt: skip
+        reporter = self.reporter
+        if verdict.decision == "wait":
+            return self._reports(reporter.waiting_report, run, playbook=playbook.name,
+                                 target=target.key, verdict=verdict)  # fmt: skip
+        final = replace(run, state="done", decision=verdict.decision, reason=verdict.reason,
+                        playbook=playbook.name, target=target.key,
+                        finished_at=self._clock())  # fmt: skip
+        reports = self._reports(reporter.run_report, final,
+                                verify_query=self._verify_query(playbook, target))  # fmt: skip
+        if verdict.opened:
+            reports += self._reports(reporter.escalation_reports, final, playbook=playbook.name,
+                                     target=target.key, why=verdict.reason)  # fmt: skip
+        return reports
 
     def _dry_run(self, run: RunRecord, playbook: Playbook, target: Target, reason: str) -> None:
         now = self._clock()
@@ -485,9 +467,8 @@ class Engine:
             )
         self._decide(run, "dry_run", reason, playbook=playbook, target=target)
 
-    def _execute(self, run: RunRecord, playbook: Playbook, target: Target) -> None:
+    def _execute(self, run: RunRecord, playbook: Playbook, target: Target, plan: Plan) -> None:
         journal = self.journal
-        journal.start_run(run.id, playbook=playbook.name, target=target.key)
         with self._active_lock:
             self._active.add(run.id)
         started = time.monotonic()
@@ -500,7 +481,9 @@ class Engine:
             failed_at = self._steps(run, playbook, target, cancel, deadline, effects=effects)
             # Undos (a deployment back into routing) before verification: it checks the whole.
             self._undo(run, playbook, target, effects)
-            if failed_at is not None:
+            if effects.resolved is not None:
+                outcome, verification = "resolved", effects.resolved
+            elif failed_at is not None:
                 outcome, verification = "failed", f"step {failed_at} failed; verification skipped"
             elif effects.finished is not None:
                 verification = effects.finished
@@ -512,43 +495,46 @@ class Engine:
                 self._undo(run, playbook, target, effects)  # an exception cut the run short
             with self._active_lock:
                 self._active.discard(run.id)
-        now = self._clock()
-        reports: list[QueuedReport] = []
-        final = run
-        if self.reporter is not None:
-            current = journal.get_run(run.id) or run
-            final = replace(
-                current, state="done", outcome=outcome, verification=verification, finished_at=now
-            )
-            reports = self._reports(
-                self.reporter.run_report,
-                final,
-                verify_query=self._verify_query(playbook, target),
-            )
-        journal.finish_run(run.id, outcome=outcome, verification=verification, reports=reports)
-        journal.set_cooldown(
-            target.key, playbook.name, now + timedelta(seconds=playbook.policy.cooldown_seconds)
-        )
-        breaker = playbook.policy.breaker
-        why = f"{breaker.max_failures} runs did not heal"
-        opened = journal.record_breaker_outcome(
-            target.key,
-            playbook.name,
-            healed=outcome in HEALED,
-            max_failures=breaker.max_failures,
-            window=timedelta(seconds=breaker.window_seconds),
+        reports = self._final_reports(run, playbook, target, outcome=outcome,
+                                      verification=verification)  # fmt: skip
+        final = replace(journal.get_run(run.id) or run, state="done", outcome=outcome)
+        why = f"{playbook.policy.breaker.max_failures} runs on {target.key} did not heal"
+        opened = journal.finish_run(
+            run.id,
+            outcome=outcome,
+            verification=verification,
+            plan=plan,
+            reports=reports,
             on_open=self._escalation_reports(final, playbook, target.key, why),
-            run_id=run.id,
         )
         if opened:
-            self._escalate(playbook, target.key, why)
-        for why in effects.escalations:
-            self._step_escalation(final, playbook, target, why)
+            self.metrics.escalations.labels(playbook.name).inc()
+            log.error("circuit breaker opened for %s: %s", target.key, why)
+        for step_why in effects.escalations:
+            self._step_escalation(final, playbook, target, step_why)
+        self._wake.set()  # runs that waited for this target or place are due
         if reports or opened or effects.escalations:
             self._reported()
         self.metrics.runs.labels(playbook.name, outcome).inc()
         self.metrics.run_duration.labels(playbook.name).observe(time.monotonic() - started)
         log.info("run %d: %s on %s: %s", run.id, playbook.name, target.key, outcome)
+
+    def _escalation_reports(
+        self, run: RunRecord, playbook: Playbook, target_key: str, why: str
+    ) -> list[QueuedReport]:
+        if self.reporter is None:
+            return []
+        return self._reports(
+            self.reporter.escalation_reports, run, playbook=playbook.name, target=target_key,
+            why=why,
+        )  # fmt: skip
+
+    def _still_firing(self, run: RunRecord) -> tuple[bool, str]:
+        """Before a step that changes something: does the alert still fire? (and who says)."""
+        current = self.journal.get_run(run.id)
+        status = current.alert.status if current is not None else run.alert.status
+        answer = self.firing.check(run.alert.labels, journal_firing=status == "firing")
+        return answer.firing, answer.detail
 
     def _steps(
         self,
@@ -569,6 +555,12 @@ class Engine:
             registered = get_action(step.action)
             params = registered.params_model.model_validate(render_params(step.params, target))
             shown = params.model_dump(mode="json")
+            if effects is not None and not registered.read_only:
+                firing, detail = self._still_firing(run)
+                if not firing:
+                    effects.resolved = f"the alert resolved before step {index} ({detail})"
+                    self._skip_rest(run, playbook, target, index - 1, "the alert resolved")
+                    return None
             begun = self._clock()
             self.journal.record_step(
                 run.id, index, step.action, shown, started_at=begun, finished_at=None,
@@ -606,14 +598,20 @@ class Engine:
             finished = effects is not None and effects.finished is not None and result.ok
             if not result.ok or finished:
                 why = f"step {index} failed" if not result.ok else f"step {index} ended the run"
-                for later, rest in enumerate(playbook.steps[index + 1 :], start=index + 1):
-                    self.journal.record_step(
-                        run.id, later, rest.action, render_params(rest.params, target),
-                        started_at=self._clock(), finished_at=self._clock(), result="skipped",
-                        output=f"not run: {why}",
-                    )  # fmt: skip
+                self._skip_rest(run, playbook, target, index, why)
                 return index if not result.ok else None
         return None
+
+    def _skip_rest(
+        self, run: RunRecord, playbook: Playbook, target: Target, after: int, why: str
+    ) -> None:
+        """Journal the steps after `after` as skipped, saying why."""
+        for later, rest in enumerate(playbook.steps[after + 1 :], start=after + 1):
+            self.journal.record_step(
+                run.id, later, rest.action, render_params(rest.params, target),
+                started_at=self._clock(), finished_at=self._clock(), result="skipped",
+                output=f"not run: {why}",
+            )  # fmt: skip
 
     def _undo(
         self, run: RunRecord, playbook: Playbook, target: Target, effects: RunEffects
@@ -719,12 +717,3 @@ class Engine:
             details.append(f"probe {probe.action}: {'ok' if result.ok else 'failed'} "
                            f"({result.output})")  # fmt: skip
         return healed, "; ".join(details)
-
-    def _escalate(self, playbook: Playbook, target_key: str, why: str) -> None:
-        detail = (
-            f"circuit breaker opened for {playbook.name} on {target_key}: {why}. "
-            "Acting on this target stopped; a person must look."
-        )
-        self.journal.add_event("escalation", detail, playbook=playbook.name, target=target_key)
-        self.metrics.escalations.labels(playbook.name).inc()
-        log.error("%s", detail)

@@ -15,6 +15,13 @@ Sample output::
     gpufleet_remediator_outbox_oldest_age_seconds 0.0
     gpufleet_remediator_outbox_sent_total{kind="stream"} 12.0
     gpufleet_remediator_outbox_failures_total{reason="unavailable"} 3.0
+    gpufleet_remediator_runs_waiting{reason="cooldown"} 2.0
+    gpufleet_remediator_oldest_waiting_seconds 95.0
+    gpufleet_remediator_loop_errors_total{loop="engine-0"} 0.0
+    gpufleet_remediator_admission_errors_total 0.0
+
+`breaker_open` is per target now (budgets belong to targets); `playbook` names the playbook
+whose judgement opened it.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
-from remediator.journal.store import Journal, JournalError
+from remediator.journal import Journal, JournalError
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +65,7 @@ class _JournalState:
             paused = self._journal.paused()
             maintenance = self._journal.maintenance()
             outbox_depth, oldest = self._journal.outbox_stats()
+            waiting, oldest_wait = self._journal.waiting_stats()
         except JournalError as exc:
             log.warning("metrics: journal unreadable: %s", exc)
             up.add_metric([], 0)
@@ -70,9 +78,27 @@ class _JournalState:
         )
         queue.add_metric([], depth)
         yield queue
+        queued = GaugeMetricFamily(
+            "gpufleet_remediator_runs_waiting",
+            "Runs waiting for a passing reason (paused, maintenance, cooldown, rate_limited, "
+            "busy, locked), fleet-wide.",
+            labels=["reason"],
+        )
+        for reason, count in sorted(waiting.items()):
+            queued.add_metric([reason], count)
+        yield queued
+        longest = GaugeMetricFamily(
+            "gpufleet_remediator_oldest_waiting_seconds",
+            "How long the longest-waiting run has waited; 0 when none waits.",
+        )
+        longest.add_metric(
+            [], max(0.0, (datetime.now(UTC) - oldest_wait).total_seconds()) if oldest_wait else 0.0
+        )
+        yield longest
         open_ = GaugeMetricFamily(
             "gpufleet_remediator_breaker_open",
-            "1 while the circuit breaker of a target and playbook is open (acting stopped).",
+            "1 while the circuit breaker of a target is open (acting on it stopped); playbook: "
+            "the one whose judgement opened it.",
             labels=["playbook", "host", "server"],
         )
         for target, playbook, _ in breakers:
@@ -149,6 +175,18 @@ class RemediatorMetrics:
             "Attempts to send a Zulip report that failed, by reason: unavailable (no answer, "
             "5xx), rate_limited (429), refused (retried: fix it in Zulip), rejected (for good).",
             ["reason"],
+            registry=self.registry,
+        )
+        self.loop_errors = Counter(
+            "gpufleet_remediator_loop_errors",
+            "Unexpected errors a background loop (worker, heartbeat, Zulip sender) survived.",
+            ["loop"],
+            registry=self.registry,
+        )
+        self.admission_errors = Counter(
+            "gpufleet_remediator_admission_errors",
+            "Notifications that parsed but failed admission in an unforeseen way (answered "
+            "400, journaled as rejected).",
             registry=self.registry,
         )
         self.registry.register(_JournalState(journal))

@@ -15,13 +15,12 @@ from exporter.roster import Roster, load_roster
 from remediator.actions.settings import action_settings
 from remediator.config import Credential, RemediatorConfig, load_secrets
 from remediator.engine import Engine, EngineSettings
-from remediator.journal.store import Journal
+from remediator.journal import Journal
 from remediator.metrics import RemediatorMetrics
 from remediator.notify.report import Reporter, ReportSettings
 from remediator.notify.sender import OutboxSender, SenderSettings
 from remediator.notify.zulip_api import ZulipApi
 from remediator.playbooks.loader import load_playbooks
-from remediator.policy import Limits
 
 
 @dataclass
@@ -44,6 +43,13 @@ class Services:
         if self.sender is not None:
             self.sender.start()
 
+    def dead_loops(self) -> list[str]:
+        """The background loops that died (the engine's, the sender's): `/healthz` says so."""
+        dead = self.engine.dead_loops() if self.engine is not None else []
+        if self.sender is not None and self.sender.started and not self.sender.alive:
+            dead.append("zulip-sender")
+        return dead
+
     def close(self) -> None:
         """Stop the engine and the sender, and close the journal."""
         if self.engine is not None:
@@ -57,13 +63,8 @@ def engine_settings(config: RemediatorConfig, *, dry_run: bool | None = None) ->
     """The engine's settings from the config (`dry_run` overrides the config's)."""
     return EngineSettings(
         workers=config.workers,
-        limits=Limits(
-            max_concurrent_runs=config.limits.max_concurrent_runs,
-            max_runs_per_hour=config.limits.max_runs_per_hour,
-        ),
         dry_run=config.dry_run if dry_run is None else dry_run,
         prometheus_url=config.prometheus_url,
-        lock_ttl=timedelta(seconds=config.lock_ttl_seconds),
         actions=action_settings(config),
     )
 
@@ -94,6 +95,9 @@ def build_services(
         config.journal,
         replica_id=config.replica_id,
         retention=timedelta(days=config.retention_days),
+        limits=config.limits,
+        lock_ttl=timedelta(seconds=config.lock_ttl_seconds),
+        dedupe_window=timedelta(seconds=config.dedupe_window_seconds),
     )
     metrics = RemediatorMetrics(journal)
     reporting = report_settings(config)

@@ -3,9 +3,19 @@
 - `POST /webhook/alertmanager`: Alertmanager's webhook (v4), answered by
   `remediator.webhook.WebhookEndpoint` in front of Flask (the hot path; see there).
 - `GET /healthz`, `GET /metrics`.
-- `/api/…`, authenticated with the *admin* secret (never the webhook's): `GET /api/runs`,
-  `GET /api/events`, `POST /api/pause`, `POST /api/resume`, `GET /api/maintenance`,
-  `POST /api/maintenance/<host>` (`{"on": true|false, "reason": "…"}`).
+- `/api/…`, authenticated with the *admin* secret (never the webhook's):
+  `GET /api/runs` (`?waiting=1`: only waiting runs), `GET /api/events`,
+  `POST /api/pause`, `POST /api/resume`,
+  `GET /api/maintenance`, `POST /api/maintenance/<host>`
+  (`{"on": true|false, "reason": "…", "until": "2026-12-01T06:00:00Z"}`),
+  `GET /api/breakers`, `POST /api/breakers/reset` (`{"target": "server/h/s", "reason"}`),
+  `GET /api/cooldowns`, `POST /api/escalations/<event id>/ack` (`{"reason"}`),
+  `POST /api/runs/<id>/cancel` (`{"reason"}`: a run that waits or is queued).
+
+Every act of a person is journaled with who (the admin credential's name: its basic-auth
+user, `admin` for a bearer token) and why (`reason`).
+
+`GET /healthz` answers 503 while a background loop is dead or the journal cannot write.
 """
 
 from __future__ import annotations
@@ -18,8 +28,9 @@ from typing import Any
 from flask import Flask, Response, jsonify, request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from remediator.alerts import as_utc
 from remediator.config import Credential, RemediatorConfig
-from remediator.journal.store import JournalError, RunRecord
+from remediator.journal import JournalError, RunRecord, RunStateError
 from remediator.service import Services, build_services
 from remediator.webhook import WebhookEndpoint
 
@@ -63,12 +74,17 @@ def create_app(config: RemediatorConfig, services: Services | None = None) -> Fl
             return _unauthorized(services.admin)
         return None
 
+    who = services.admin.username or "admin"
+
     @app.get("/healthz")
     def healthz() -> tuple[str, int]:
+        dead = services.dead_loops()
+        if dead:
+            return f"background loops dead: {', '.join(dead)}\n", 503
         try:
-            journal.queue_depth()
+            journal.check_writable()
         except JournalError as exc:
-            return f"journal unavailable: {exc}\n", 503
+            return f"journal cannot write: {exc}\n", 503
         return "ok\n", 200
 
     @app.get("/metrics")
@@ -80,6 +96,8 @@ def create_app(config: RemediatorConfig, services: Services | None = None) -> Fl
         if (denied := admin_only()) is not None:
             return denied
         limit = min(max(request.args.get("limit", default=50, type=int) or 50, 1), 1000)
+        if request.args.get("waiting"):
+            return jsonify(runs=[run_json(r) for r in journal.waiting_runs(limit)])
         return jsonify(runs=[run_json(r) for r in journal.recent_runs(limit)])
 
     @app.get("/api/events")
@@ -98,14 +116,14 @@ def create_app(config: RemediatorConfig, services: Services | None = None) -> Fl
     def pause() -> Response:
         if (denied := admin_only()) is not None:
             return denied
-        journal.set_paused(True, by="api", reason=_reason())
+        journal.set_paused(True, by=who, reason=_reason())
         return jsonify(paused=True)
 
     @app.post("/api/resume")
     def resume() -> Response:
         if (denied := admin_only()) is not None:
             return denied
-        journal.set_paused(False, by="api", reason=_reason())
+        journal.set_paused(False, by=who, reason=_reason())
         if services.engine is not None:
             services.engine.wake()
         return jsonify(paused=False)
@@ -114,8 +132,11 @@ def create_app(config: RemediatorConfig, services: Services | None = None) -> Fl
     def maintenance_list() -> Response:
         if (denied := admin_only()) is not None:
             return denied
-        hosts = {h: {"since": s.isoformat(), "reason": r} for h, (s, r) in
-                 journal.maintenance().items()}  # fmt: skip
+        hosts = {
+            host: {"since": since.isoformat(), "until": until.isoformat() if until else None,
+                   "reason": why, "by": by}
+            for host, (since, until, why, by) in journal.maintenance_windows().items()
+        }  # fmt: skip
         return jsonify(maintenance=hosts)
 
     @app.post("/api/maintenance/<host>")
@@ -126,9 +147,66 @@ def create_app(config: RemediatorConfig, services: Services | None = None) -> Fl
             return jsonify(error=f"no host {host!r} in the roster"), 404
         data = request.get_json(silent=True)
         if not isinstance(data, dict) or not isinstance(data.get("on"), bool):
-            return jsonify(error='body must be {"on": true|false, "reason": "..."}'), 400
-        journal.set_maintenance(host, data["on"], by="api", reason=_reason())
-        return jsonify(host=host, maintenance=data["on"])
+            return jsonify(error='body must be {"on": true|false, "reason": "...", '
+                           '"until": "RFC 3339 time (optional)"}'), 400  # fmt: skip
+        until = None
+        if data.get("until") is not None:
+            try:
+                until = as_utc(datetime.fromisoformat(str(data["until"])))
+            except ValueError as exc:
+                return jsonify(error=f"until: not an RFC 3339 time: {exc}"), 400
+        journal.set_maintenance(host, data["on"], by=who, reason=_reason(), until=until)
+        if services.engine is not None:
+            services.engine.wake()
+        return jsonify(host=host, maintenance=data["on"],
+                       until=until.isoformat() if until else None)  # fmt: skip
+
+    @app.get("/api/breakers")
+    def breakers() -> Response:
+        if (denied := admin_only()) is not None:
+            return denied
+        return jsonify(breakers=[_json(asdict(b)) for b in journal.breakers()])
+
+    @app.post("/api/breakers/reset")
+    def breaker_reset() -> tuple[Response, int] | Response:
+        if (denied := admin_only()) is not None:
+            return denied
+        data = request.get_json(silent=True)
+        target = data.get("target") if isinstance(data, dict) else None
+        if not isinstance(target, str) or not target:
+            return jsonify(
+                error='body must be {"target": "server/HOST/SERVER", "reason": ...}'
+            ), 400
+        if not journal.reset_breaker(target, by=who, reason=_reason()):
+            return jsonify(error=f"the breaker of {target} is not open"), 404
+        return jsonify(target=target, reset=True)
+
+    @app.get("/api/cooldowns")
+    def cooldowns() -> Response:
+        if (denied := admin_only()) is not None:
+            return denied
+        return jsonify(cooldowns=[{"target": t, "until": u.isoformat(), "playbook": p}
+                                  for t, u, p in journal.cooldowns()])  # fmt: skip
+
+    @app.post("/api/escalations/<int:event_id>/ack")
+    def acknowledge(event_id: int) -> tuple[Response, int] | Response:
+        if (denied := admin_only()) is not None:
+            return denied
+        try:
+            ack = journal.acknowledge(event_id, by=who, reason=_reason())
+        except RunStateError as exc:
+            return jsonify(error=str(exc)), 404
+        return jsonify(escalation=event_id, acknowledged=ack)
+
+    @app.post("/api/runs/<int:run_id>/cancel")
+    def cancel(run_id: int) -> tuple[Response, int] | Response:
+        if (denied := admin_only()) is not None:
+            return denied
+        try:
+            journal.cancel_run(run_id, by=who, reason=_reason())
+        except RunStateError as exc:
+            return jsonify(error=str(exc)), 409
+        return jsonify(run=run_id, cancelled=True)
 
     @app.errorhandler(JournalError)
     def journal_down(exc: JournalError) -> tuple[Response, int]:
@@ -140,6 +218,6 @@ def create_app(config: RemediatorConfig, services: Services | None = None) -> Fl
         journal=journal,
         credential=services.webhook,
         metrics=metrics,
-        accepted=engine.wake if engine is not None else lambda: None,
+        admitted=engine.wake if engine is not None else lambda: None,
     )
     return app

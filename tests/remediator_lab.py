@@ -15,15 +15,18 @@ from pathlib import Path
 
 ALERTMANAGER_FIXTURES = Path(__file__).parent / "fixtures" / "alertmanager"
 
-# A playbook over this issue's actions only: probe the server, then verify with a probe.
+# Test playbooks: probe the server, "restart" it (an allow-listed request to /restart: a step
+# that changes something, so the run spends the server's disruption budget), verify with a
+# probe. Two of them, for two alerts on one server: they share its budget.
 PROBE_PLAYBOOK = """\
-name: probe-llama
-description: Test playbook - probes the server's /health; verification probes it again.
+name: {name}
+description: Test playbook - probes /health, calls /restart; verification probes /verify.
 match:
-  alertname: LlamaServerDown
+  alertname: {alertname}
 target: server
 steps:
   - http_probe: {{url: "{{server.url}}/health", expect_status: 200}}
+  - http_request: {{url: "{{server.url}}/restart", method: GET, expect_status: [200]}}
   - wait: {{seconds: {wait_seconds}}}
 verify:
   probe: {{http_probe: {{url: "{{server.url}}/verify", expect_status: 200}}}}
@@ -91,6 +94,12 @@ class Setup:
     admin_token: str
 
 
+def drop_test_playbooks(setup: Setup) -> None:
+    """Remove the test playbooks, so the built-in ones handle every alert."""
+    for name in ("probe", "probe-stuck"):
+        (setup.playbooks / f"{name}.yaml").unlink()
+
+
 def write_setup(
     tmp_path: Path,
     *,
@@ -124,11 +133,20 @@ def write_setup(
     (tmp_path / "admin.token").write_text("admin-secret-456\n")
     playbooks = tmp_path / "playbooks"
     playbooks.mkdir(exist_ok=True)
-    (playbooks / "probe.yaml").write_text(
-        PROBE_PLAYBOOK.format(
-            wait_seconds=wait_seconds, cooldown=cooldown, max_failures=max_failures
+    for file, name, alertname in (("probe", "probe-llama", "LlamaServerDown"),
+                                  ("probe-stuck", "probe-llama-stuck", "LlamaServerStuck")):  # fmt: skip
+        (playbooks / f"{file}.yaml").write_text(
+            PROBE_PLAYBOOK.format(
+                name=name,
+                alertname=alertname,
+                wait_seconds=wait_seconds,
+                cooldown=cooldown,
+                max_failures=max_failures,
+            )  # fmt: skip
         )
-    )
+    restart_urls = ", ".join(f"{url}/restart" for url in servers.values())
+    if "http_request:" not in extra:
+        extra = f"http_request: {{allowed_urls: [{restart_urls}]}}\n" + extra
     config = tmp_path / "remediator.yaml"
     journal = journal_url or f"sqlite:///{tmp_path / 'journal.db'}"
     config.write_text(

@@ -36,7 +36,7 @@ from remediator.actions.registry import (
     run_action,
 )
 from remediator.playbooks.model import Target
-from remediator.verify import promql_holds
+from remediator.prometheus_api import promql_holds
 from tests.llama_lab import free_port
 from tests.prometheus_lab import MetricsEndpoint, PrometheusServer
 

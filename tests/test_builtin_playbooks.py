@@ -29,7 +29,7 @@ from remediator.service import build_services
 from remediator.web import create_app
 from tests.llama_lab import free_port, http_get, wait_until
 from tests.prometheus_lab import PrometheusServer
-from tests.remediator_lab import write_setup
+from tests.remediator_lab import drop_test_playbooks, write_setup
 from tests.ssh_lab import REPO
 from tests.systemctl_stand_in import SystemctlStandIn
 from tests.test_remediator import firing
@@ -160,7 +160,7 @@ def test_down_is_restarted_and_healed_through_the_node(
         servers={"alpha": url},
         extra=f"node_command: [{REPO / '.venv' / 'bin' / 'gpu-fleet-node'}]\n",
     )
-    (setup.playbooks / "probe.yaml").unlink()  # the built-in must handle LlamaServerDown
+    drop_test_playbooks(setup)  # the built-in must handle LlamaServerDown
     setup.roster.write_text(
         "hosts:\n  dioscuri:\n    address: 127.0.0.1\n    local: true\n    servers:\n"
         f"      alpha:\n        engine: llama\n        url: {url}\n        unit: {UNIT}\n"

@@ -47,7 +47,7 @@ from remediator.service import Services, build_services
 from remediator.web import create_app
 from tests.llama_lab import die_with_parent, free_port, start_generation, wait_until
 from tests.prometheus_lab import PrometheusServer
-from tests.remediator_lab import Setup, write_setup
+from tests.remediator_lab import Setup, drop_test_playbooks, write_setup
 from tests.sysfs_tree import (
     PowerCapSpec,
     TempSpec,
@@ -135,7 +135,7 @@ def server_setup(tmp_path: Path, url: str, prometheus_url: str = "http://127.0.0
         tmp_path, servers={"alpha": url}, prometheus_url=prometheus_url,
         extra=f"node_command: [{NODE}]\n",
     )  # fmt: skip
-    (setup.playbooks / "probe.yaml").unlink()  # the built-ins must handle the alerts
+    drop_test_playbooks(setup)  # the built-ins must handle the alerts
     server_roster(tmp_path, url)  # the same fleet.yaml, with dioscuri `local: true`
     return setup
 
@@ -358,7 +358,7 @@ def test_gpu_temperature_lowers_the_amd_power_cap_and_the_heartbeat_restores_it(
         extra=f"node_command: [{NODE}, --sysfs, {sysfs}, --state-dir, {state_dir}]\n"
               "power_cap: {check_interval_seconds: 1}\n",
     )  # fmt: skip
-    (setup.playbooks / "probe.yaml").unlink()
+    drop_test_playbooks(setup)
     setup.roster.write_text(THERMAL_ROSTER)
 
     def fast(playbook: dict[str, Any]) -> None:

@@ -27,7 +27,7 @@ import sqlalchemy as sa
 
 from remediator.alerts import parse_notification
 from remediator.journal import schema
-from remediator.journal.store import (
+from remediator.journal import (
     Journal,
     JournalError,
     RunStateError,
@@ -167,7 +167,7 @@ def _body(*alerts: dict[str, Any]) -> bytes:
 
 def _record(journal: Journal, *alerts: dict[str, Any]) -> Any:
     body = _body(*alerts)
-    return journal.record_notification(parse_notification(body), body)
+    return journal.admit(parse_notification(body), body)
 
 
 def _running_run(journal: Journal, fingerprint: str, target: str = "server/dioscuri/alpha") -> int:
@@ -292,7 +292,7 @@ def _record_in_process(
     journal = Journal(url, replica_id=replica)
     parsed = [(parse_notification(b), b) for b in bodies]
     barrier.wait(CHILD_TIMEOUT_S)
-    outcome = [journal.record_notification(n, b) for n, b in parsed]
+    outcome = [journal.admit(n, b) for n, b in parsed]
     results.put((replica, [len(r.new_run_ids) for r in outcome], [r.duplicates for r in outcome]))
     journal.close()
 
@@ -824,7 +824,7 @@ def test_a_vanished_postgresql_database_is_a_journal_error(clock: Clock) -> None
         drop_database(url)
         body = _body(_alert("fp1"))
         with pytest.raises(JournalError, match="cannot record a notification"):
-            journal.record_notification(parse_notification(body), body)
+            journal.admit(parse_notification(body), body)
         journal.close()
 
 

@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from remediator.engine import Engine
+from remediator.engine import Engine, alert_of
+from remediator.playbooks.model import Target, resolve_target
 from tests.test_remediator import Lab, firing, fixture, make_lab
 from tests.zulip_stand_in import ZulipStandIn
 
@@ -118,10 +119,12 @@ def test_a_run_interrupted_by_a_restart_is_reported(tmp_path: Path, zulip: Zulip
         journal, engine = lab.services.journal, lab.services.engine
         assert engine is not None
         lab.post(fixture("firing"))
-        engine.ingest()
         run = journal.claim_next_run()
         assert run is not None
-        journal.start_run(run.id, playbook="probe-llama", target="server/dioscuri/alpha")
+        playbook = next(p for p in engine.playbooks if p.name == "probe-llama")
+        target = resolve_target(playbook, alert_of(run.alert), engine.roster)
+        assert isinstance(target, Target)
+        assert journal.admit_to_act(run.id, engine.plan(playbook, target)).may_act
         # The process dies here; the next start recovers (same replica, same journal).
         restarted = Engine(
             journal,

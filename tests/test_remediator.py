@@ -9,8 +9,11 @@ from __future__ import annotations
 import base64
 import copy
 import json
+import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -73,9 +76,11 @@ class Lab:
         return runs
 
 
-def make_lab(tmp_path: Path, **options: Any) -> Iterator[Lab]:
+def make_lab(tmp_path: Path, *, playbook: str | None = None, **options: Any) -> Iterator[Lab]:
     alpha, beta = CountingServer(), CountingServer()
     setup = write_setup(tmp_path, servers={"alpha": alpha.url, "beta": beta.url}, **options)
+    if playbook is not None:  # instead of the LlamaServerDown test playbook
+        (setup.playbooks / "probe.yaml").write_text(playbook)
     config = load_config(setup.config)
     services = build_services(config)
     app = create_app(config, services)
@@ -92,19 +97,32 @@ def lab(tmp_path: Path) -> Iterator[Lab]:
     yield from make_lab(tmp_path)
 
 
+def resolved(firing_body: dict[str, Any], ends: str) -> dict[str, Any]:
+    """The resolution Alertmanager sends for `firing_body`'s alert."""
+    payload = copy.deepcopy(firing_body)
+    payload["status"] = "resolved"
+    for alert in payload["alerts"]:
+        alert["status"] = "resolved"
+        alert["endsAt"] = ends
+    return payload
+
+
 def test_a_firing_alert_runs_its_playbook_and_heals(lab: Lab) -> None:
     answer = lab.post(fixture("firing"))
     assert answer.status_code == 200
     assert answer.get_json()["status"] == "ok"
+    # Admitted in the request: the run exists before any worker looked.
+    assert answer.get_json()["runs"] == [1]
     lab.process()
     assert lab.alpha.count("/health") == 1 and lab.alpha.count("/verify") == 1
+    assert lab.alpha.count("/restart") == 1
     [run] = lab.runs()
     assert run["playbook"] == "probe-llama"
     assert run["target"] == "server/dioscuri/alpha"
     assert run["outcome"] == "healed"
     assert run["alert"]["fingerprint"] == "5f2a9c0e1b3d4a67"
     assert run["alert"]["labels"]["server"] == "alpha"
-    assert [s["action"] for s in run["steps"]] == ["http_probe", "wait"]
+    assert [s["action"] for s in run["steps"]] == ["http_probe", "http_request", "wait"]
     assert all(s["result"] == "ok" for s in run["steps"])
     assert "probe http_probe: ok" in run["verification"]
 
@@ -113,10 +131,26 @@ def test_repeats_and_ha_duplicates_run_nothing_again(lab: Lab) -> None:
     assert lab.post(fixture("firing")).status_code == 200
     lab.process()
     for name in ("repeat-interval", "ha-duplicate"):
-        assert lab.post(fixture(name)).status_code == 200
+        answer = lab.post(fixture(name))
+        assert answer.status_code == 200 and answer.get_json()["duplicates"] == 1
     lab.process()
-    assert lab.alpha.count("/health") == 1
+    assert lab.alpha.count("/restart") == 1
     assert len(lab.runs()) == 1
+
+
+def test_an_ha_twin_with_an_earlier_starts_at_is_the_same_occurrence(lab: Lab) -> None:
+    # Alertmanager keeps the earliest startsAt it saw when it merges an HA Prometheus pair's
+    # copies: a later stamp can arrive first, the earlier one after it.
+    lab.post(firing(starts="2026-11-30T04:00:30Z", fingerprint="a" * 16))
+    lab.process()
+    assert (
+        lab.post(firing(starts="2026-11-30T04:00:00Z", fingerprint="a" * 16)).get_json()[
+            "duplicates"
+        ]
+        == 1
+    )
+    lab.process()
+    assert len(lab.runs()) == 1 and lab.alpha.count("/restart") == 1
 
 
 def test_resolved_closes_without_running(lab: Lab) -> None:
@@ -124,52 +158,138 @@ def test_resolved_closes_without_running(lab: Lab) -> None:
     lab.process()
     assert lab.post(fixture("resolved")).status_code == 200
     lab.process()
-    assert lab.alpha.count("/health") == 1
+    assert lab.alpha.count("/restart") == 1
     [run] = lab.runs()
     assert run["alert"]["status"] == "resolved"
 
 
-def test_grouped_alerts_and_an_unknown_server(lab: Lab) -> None:
-    assert lab.post(fixture("grouped")).status_code == 200
+def test_resolved_before_claim_runs_nothing(lab: Lab) -> None:
+    lab.post(fixture("firing"))
+    answer = lab.post(fixture("resolved"))  # before any worker took the run
+    assert answer.get_json()["resolved"] == 1
     lab.process()
-    assert len(lab.runs()) == 3
-    by_target = {r["alert"]["labels"]["server"]: r for r in lab.runs()}
-    assert by_target["alpha"]["outcome"] == "healed"
-    assert by_target["beta"]["outcome"] == "healed"
-    # theia has no server `delta` in the roster: nothing runs, the run says why.
-    assert by_target["delta"]["decision"] == "rejected"
-    assert "delta" in by_target["delta"]["reason"]
-    assert lab.beta.count("/health") == 1
+    [run] = lab.runs()
+    assert run["state"] == "done" and run["decision"] == "resolved"
+    assert run["outcome"] is None  # neither heal nor failure
+    assert lab.alpha.count("/health") == 0 and lab.alpha.count("/restart") == 0
 
 
-def test_unknown_host_and_notify_only(lab: Lab) -> None:
-    lab.post(firing(host="nowhere", fingerprint="f" * 16))
-    lab.post(firing(alertname="SomethingElse", fingerprint="e" * 16))
+def test_resolved_while_it_waits_runs_nothing_after_resume(lab: Lab) -> None:
+    lab.admin("POST", "/api/pause", {"reason": "deploy"})
+    lab.post(fixture("firing"))
     lab.process()
-    decisions = {r["alert"]["labels"]["alertname"] + "/" + r["alert"]["labels"]["host"]:
-                 r["decision"] for r in lab.runs()}  # fmt: skip
-    assert decisions == {
-        "LlamaServerDown/nowhere": "rejected",
-        "SomethingElse/dioscuri": "notify_only",
-    }
-    assert lab.alpha.count("/health") == 0
+    [run] = lab.runs()
+    assert run["state"] == "pending" and run["wait_reason"] == "paused"
+    lab.post(fixture("resolved"))
+    lab.admin("POST", "/api/resume")
+    lab.process()
+    [run] = lab.runs()
+    assert run["decision"] == "resolved"
+    assert lab.alpha.count("/restart") == 0
 
 
-def test_cooldown(lab: Lab) -> None:
-    lab.post(firing(starts="2026-11-30T04:00:00Z", fingerprint="a" * 16))
+WAIT_THEN_RESTART = (
+    "name: wait-then-restart\n"
+    "description: Test playbook - probes, waits, then calls /restart.\n"
+    "match: {alertname: LlamaServerDown}\n"
+    "target: server\n"
+    "steps:\n"
+    '  - http_probe: {url: "{server.url}/health", expect_status: 200}\n'
+    "  - wait: {seconds: 1.5}\n"
+    '  - http_request: {url: "{server.url}/restart", method: GET, expect_status: [200]}\n'
+)
+
+
+def test_resolved_during_a_step_stops_before_the_next_disruptive_one(tmp_path: Path) -> None:
+    for lab in make_lab(tmp_path, playbook=WAIT_THEN_RESTART):
+        lab.post(fixture("firing"))
+        worker = threading.Thread(target=lab.process)
+        worker.start()
+        deadline = time.monotonic() + 10
+        while lab.alpha.count("/health") == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)  # the run is in its wait step now
+        assert lab.post(fixture("resolved")).status_code == 200
+        worker.join(15)
+        [run] = lab.runs()
+        assert run["outcome"] == "resolved"
+        assert "resolved before step 2" in run["verification"]
+        assert [s["result"] for s in run["steps"]] == ["ok", "ok", "skipped"]
+        assert lab.alpha.count("/restart") == 0
+
+
+def test_firing_again_after_resolve_is_a_new_occurrence(tmp_path: Path) -> None:
+    for lab in make_lab(tmp_path, cooldown=0):
+        first = firing(starts="2026-11-30T04:00:00Z", fingerprint="a" * 16)
+        lab.post(first)
+        lab.process()
+        lab.post(resolved(first, "2026-11-30T04:10:00Z"))
+        # A late copy of the resolved occurrence (an HA twin's) starts nothing …
+        lab.post(firing(starts="2026-11-30T03:59:40Z", fingerprint="a" * 16))
+        # … a firing that started after it ended is a new occurrence.
+        again = lab.post(firing(starts="2026-11-30T04:20:00Z", fingerprint="a" * 16))
+        assert len(again.get_json()["runs"]) == 1
+        lab.process()
+        assert [r["outcome"] for r in lab.runs()] == ["healed", "healed"]
+        assert lab.alpha.count("/restart") == 2
+
+
+def test_pause_fire_resume_acts_without_a_resend(lab: Lab) -> None:
+    assert lab.admin("POST", "/api/pause", {"reason": "deploy"}).status_code == 200
+    lab.post(firing(fingerprint="c" * 16))
     lab.process()
-    lab.post(firing(starts="2026-11-30T04:05:00Z", fingerprint="a" * 16))
+    [run] = lab.runs()
+    assert (run["state"], run["wait_reason"]) == ("pending", "paused")
+    assert "paused" in run["reason"]
+    assert lab.admin("GET", "/api/runs?waiting=1").get_json()["runs"][0]["id"] == run["id"]
+    assert lab.alpha.count("/restart") == 0
+    lab.admin("POST", "/api/resume")
+    lab.process()  # no resend from Alertmanager: the waiting run is due at resume
+    [run] = lab.runs()
+    assert run["outcome"] == "healed" and lab.alpha.count("/restart") == 1
+    events = lab.admin("GET", "/api/events?kind=paused").get_json()["events"]
+    assert events[0]["actor"] == "admin" and "deploy" in events[0]["detail"]
+
+
+def test_two_playbooks_on_one_server_share_its_cooldown(lab: Lab) -> None:
+    lab.post(firing(alertname="LlamaServerDown", fingerprint="d" * 16))
     lab.process()
-    runs = lab.runs()
-    assert [r["decision"] for r in runs] == ["cooldown", "run"]
-    assert lab.alpha.count("/health") == 1
+    lab.post(firing(alertname="LlamaServerStuck", fingerprint="e" * 16))
+    lab.process()
+    stuck, down = lab.runs()
+    assert down["outcome"] == "healed"
+    assert stuck["playbook"] == "probe-llama-stuck"
+    assert (stuck["state"], stuck["wait_reason"]) == ("pending", "cooldown")
+    assert "server/dioscuri/alpha cools down" in stuck["reason"]
+    assert lab.alpha.count("/restart") == 1
+    cooling = lab.admin("GET", "/api/cooldowns").get_json()["cooldowns"]
+    assert [c["target"] for c in cooling] == ["server/dioscuri/alpha"]
+
+
+def test_a_flapping_server_opens_its_breaker_across_playbooks(tmp_path: Path) -> None:
+    # Down, then Stuck, then Down again: each "heals", and the problem keeps coming back.
+    for lab in make_lab(tmp_path, cooldown=0, max_failures=2):
+        fired = []
+        for minute, alertname in enumerate(("LlamaServerDown", "LlamaServerStuck",
+                                             "LlamaServerDown")):  # fmt: skip
+            body = firing(alertname=alertname, starts=f"2026-11-30T0{4 + minute}:00:00Z",
+                          fingerprint=f"{alertname[:10]:0<16}")  # fmt: skip
+            lab.post(body)
+            lab.process()
+            lab.post(resolved(body, f"2026-11-30T0{4 + minute}:30:00Z"))
+            fired.append(body)
+        third, second, first = lab.runs()
+        assert (first["outcome"], second["outcome"]) == ("healed", "healed")
+        assert third["decision"] == "breaker_open" and "people called" in third["reason"]
+        assert lab.alpha.count("/restart") == 2
+        [breaker] = lab.admin("GET", "/api/breakers").get_json()["breakers"]
+        assert breaker["target"] == "server/dioscuri/alpha" and breaker["open"]
 
 
 def test_breaker_opens_after_runs_that_do_not_heal_and_escalates(tmp_path: Path) -> None:
     for lab in make_lab(tmp_path, cooldown=0, max_failures=2):
         lab.alpha.verify_status = 500
-        for minute in range(3):
-            lab.post(firing(starts=f"2026-11-30T05:0{minute}:00Z", fingerprint="b" * 16))
+        for minute in (0, 20, 40):  # new occurrences: each starts after the last ended
+            lab.post(firing(starts=f"2026-11-30T05:{minute:02}:00Z", fingerprint="b" * 16))
             lab.process()
         runs = lab.runs()
         assert [r["outcome"] or r["decision"] for r in runs] == [
@@ -183,7 +303,25 @@ def test_breaker_opens_after_runs_that_do_not_heal_and_escalates(tmp_path: Path)
         assert 'gpufleet_remediator_escalations_total{playbook="probe-llama"} 1.0' in metrics
         assert ('gpufleet_remediator_breaker_open{host="dioscuri",playbook="probe-llama",'
                 'server="alpha"} 1.0') in metrics  # fmt: skip
-        assert lab.alpha.count("/health") == 2
+        assert lab.alpha.count("/restart") == 2
+        # A person resets it (journaled with who and why); the target may act again.
+        answer = lab.admin(
+            "POST",
+            "/api/breakers/reset",
+            {"target": "server/dioscuri/alpha", "reason": "swapped the card"},
+        )
+        assert answer.status_code == 200  # fmt: skip
+        assert lab.admin("POST", "/api/breakers/reset",
+                         {"target": "server/dioscuri/alpha"}).status_code == 404  # fmt: skip
+        [reset] = lab.admin("GET", "/api/events?kind=breaker_reset").get_json()["events"]
+        assert reset["actor"] == "admin" and "swapped the card" in reset["detail"]
+        ack = lab.admin("POST", f"/api/escalations/{events[0]['id']}/ack", {"reason": "on it"})
+        assert ack.status_code == 200
+        assert lab.admin("POST", "/api/escalations/999999/ack").status_code == 404
+        lab.alpha.verify_status = 200
+        lab.post(firing(starts="2026-11-30T06:00:00Z", fingerprint="b" * 16))
+        lab.process()
+        assert lab.runs()[0]["outcome"] == "healed"
 
 
 def test_dry_run_journals_what_would_run(tmp_path: Path) -> None:
@@ -192,31 +330,90 @@ def test_dry_run_journals_what_would_run(tmp_path: Path) -> None:
         lab.process()
         [run] = lab.runs()
         assert run["decision"] == "dry_run"
-        assert [s["result"] for s in run["steps"]] == ["skipped", "skipped"]
+        assert [s["result"] for s in run["steps"]] == ["skipped", "skipped", "skipped"]
         assert run["steps"][0]["params"]["url"] == f"{lab.alpha.url}/health"
         assert lab.alpha.count("/health") == 0
 
 
-def test_pause_resume_and_maintenance(lab: Lab) -> None:
-    assert lab.admin("POST", "/api/pause", {"reason": "deploy"}).status_code == 200
-    lab.post(firing(fingerprint="c" * 16))
-    lab.process()
-    assert lab.runs()[0]["decision"] == "paused"
-    lab.admin("POST", "/api/resume")
-    assert (
-        lab.admin("POST", "/api/maintenance/dioscuri", {"on": True, "reason": "swap"}).status_code
-        == 200
-    )
+def test_maintenance_waits_until_it_ends(lab: Lab) -> None:
+    until = (datetime.now(UTC) + timedelta(seconds=1.5)).isoformat()
+    answer = lab.admin("POST", "/api/maintenance/dioscuri",
+                       {"on": True, "reason": "swap", "until": until})  # fmt: skip
+    assert answer.status_code == 200
     lab.post(firing(server="beta", fingerprint="d" * 16))
     lab.process()
-    assert lab.runs()[0]["decision"] == "maintenance"
+    [run] = lab.runs()
+    assert run["wait_reason"] == "maintenance" and "until" in run["reason"]
     assert lab.admin("POST", "/api/maintenance/nowhere", {"on": True}).status_code == 404
     assert lab.admin("POST", "/api/maintenance/dioscuri", {"on": "yes"}).status_code == 400
+    bad = lab.admin("POST", "/api/maintenance/dioscuri", {"on": True, "until": "soon"})
+    assert bad.status_code == 400 and "until" in bad.get_json()["error"]
+    time.sleep(1.6)
+    lab.process()  # the window ended by itself: the run is due and acts
+    assert lab.runs()[0]["outcome"] == "healed"
+    assert lab.admin("GET", "/api/maintenance").get_json()["maintenance"] == {}
+
+
+def test_maintenance_off_wakes_the_waiting_run(lab: Lab) -> None:
+    lab.admin("POST", "/api/maintenance/dioscuri", {"on": True, "reason": "swap"})
+    lab.post(firing(server="beta", fingerprint="d" * 16))
+    lab.process()
+    assert lab.runs()[0]["wait_reason"] == "maintenance"
     lab.admin("POST", "/api/maintenance/dioscuri", {"on": False})
-    lab.post(firing(server="beta", starts="2026-11-30T06:00:00Z", fingerprint="d" * 16))
     lab.process()
     assert lab.runs()[0]["outcome"] == "healed"
-    assert lab.alpha.count("/health") == 0 and lab.beta.count("/health") == 1
+    assert lab.alpha.count("/health") == 0 and lab.beta.count("/restart") == 1
+
+
+def test_a_waiting_run_expires_and_can_be_cancelled(tmp_path: Path) -> None:
+    extra = "limits: {max_wait_seconds: 1, wait_report_after_seconds: 0}\n"
+    for lab in make_lab(tmp_path, extra=extra):
+        lab.admin("POST", "/api/pause")
+        lab.post(firing(fingerprint="c" * 16))
+        lab.post(firing(server="beta", fingerprint="d" * 16))
+        lab.process()
+        beta, alpha = lab.runs()
+        assert alpha["wait_reason"] == beta["wait_reason"] == "paused"
+        answer = lab.admin("POST", f"/api/runs/{beta['id']}/cancel", {"reason": "not needed"})
+        assert answer.status_code == 200
+        again = lab.admin("POST", f"/api/runs/{beta['id']}/cancel")
+        assert again.status_code == 409  # done: nothing to cancel
+        time.sleep(1.1)
+        lab.process()
+        beta, alpha = lab.runs()
+        assert alpha["decision"] == "expired" and "waited" in alpha["reason"]
+        assert beta["decision"] == "cancelled" and "not needed" in beta["reason"]
+        assert lab.alpha.count("/restart") == lab.beta.count("/restart") == 0
+
+
+def test_the_concurrency_cap_makes_a_run_wait_not_fail(tmp_path: Path) -> None:
+    for lab in make_lab(tmp_path, extra="limits: {max_concurrent_runs: 1}\n"):
+        lab.post(firing(fingerprint="c" * 16))
+        lab.post(firing(server="beta", fingerprint="d" * 16))
+        engine = lab.services.engine
+        assert engine is not None
+        first = lab.services.journal.claim_next_run()
+        assert first is not None
+        plan = engine.plan(*_resolved(lab, first))
+        assert lab.services.journal.admit_to_act(first.id, plan).may_act
+        lab.process()  # the second must wait for the place the first holds
+        waiting = [r for r in lab.runs() if r["state"] == "pending"]
+        assert [r["wait_reason"] for r in waiting] == ["busy"]
+        lab.services.journal.finish_run(first.id, outcome="healed", verification="", plan=plan)
+        lab.process()
+        assert sorted(r["outcome"] or r["decision"] for r in lab.runs()) == ["healed", "healed"]
+
+
+def _resolved(lab: Lab, run: Any) -> tuple[Any, Any]:
+    from remediator.engine import alert_of
+    from remediator.playbooks.loader import match_playbook, resolve_target
+
+    assert lab.services.engine is not None
+    alert = alert_of(run.alert)
+    playbook = match_playbook(lab.services.engine.playbooks, alert)
+    assert playbook is not None
+    target = resolve_target(playbook, alert, lab.services.roster)
+    return playbook, target
 
 
 def test_webhook_and_admin_secrets_are_kept_apart(lab: Lab) -> None:

@@ -32,7 +32,7 @@ from urllib.parse import urlsplit
 from pydantic import Field, field_validator
 
 from remediator.actions.registry import ActionContext, ActionParams, StepResult, action
-from remediator.verify import build_opener, promql_holds
+from remediator.prometheus_api import build_opener, promql_holds
 
 # A health answer is small; reading more than this would only cost time and memory.
 _MAX_PROBE_BODY = 1024 * 1024

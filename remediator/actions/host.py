@@ -26,7 +26,7 @@ from pydantic import Field
 
 from remediator.actions.executors import NodeAnswer, executor_for
 from remediator.actions.registry import ActionContext, ActionParams, StepResult, action
-from remediator.verify import QueryError, query_instant
+from remediator.prometheus_api import QueryError, query_instant
 
 # The node's own answer is bounded (1 MiB); what a step output quotes of it is less, so that
 # the journal's 64 KiB per step holds several servers' evidence.

@@ -47,7 +47,7 @@ from remediator.actions.settings import ActionSettings
 from remediator.playbooks.model import Step, Target, fill_templates
 
 if TYPE_CHECKING:
-    from remediator.journal.store import Journal
+    from remediator.journal import Journal
 
 log = logging.getLogger(__name__)
 

@@ -50,7 +50,7 @@ from remediator.actions.registry import (
     Undo,
     action,
 )
-from remediator.verify import QueryError, build_opener, query_instant
+from remediator.prometheus_api import QueryError, build_opener, query_instant
 
 _MAX_BODY = 1024 * 1024
 _REQUEST_TIMEOUT_SECONDS = 10.0

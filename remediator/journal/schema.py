@@ -25,12 +25,20 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Dialect
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """The version this code reads and writes; `upgrade()` migrates older ones up to it.
 
 Version 2 (Zulip reports): the outbox learns direct messages (`recipients`), the picture of
 an incident (`graph`, `picture`), who is sending an entry (`owner`) and why it last failed
 (`last_error`), and an index for the sender's per-topic order.
+
+Version 3 (one admission): one open occurrence per fingerprint (a partial unique index);
+runs that wait (`not_before`, `wait_reason`, `waiting_since`, `wait_reported`) and whether a
+run disrupts (`disruptive`); the targets a disruptive run touches (`run_targets`); budgets
+per target instead of per (target, playbook) (`target_cooldowns`, `target_breakers`, which
+replace `cooldowns` and `breakers`); notifications refused after acceptance (`rejected`);
+maintenance that ends (`until`); who acted on an event and what it refers to (`actor`,
+`ref_id`).
 """
 
 # SQLite's rowid alias must be spelled INTEGER PRIMARY KEY; PostgreSQL gets a 64-bit identity.
@@ -106,6 +114,9 @@ notifications = sa.Table(
     # stored it turns it into alerts and runs right after, and marks it ingested.
     sa.Column("replica", sa.Text, nullable=True),
     sa.Column("ingested_at", UTCDateTime, nullable=True, index=True),
+    # Version 3: admission happens in the request; a body that failed in an unforeseen way
+    # after it parsed is kept with the reason (answered 400), never blocking another.
+    sa.Column("rejected", sa.Text, nullable=True),
 )
 
 alerts = sa.Table(
@@ -136,6 +147,16 @@ alerts = sa.Table(
     sa.Index(None, "notification_id"),
 )
 
+# One open occurrence per fingerprint: HA Prometheus replicas stamp one problem with startsAt
+# that differ, and two replicas admitting them at once must not open two (version 3).
+OPEN_OCCURRENCE_INDEX = sa.Index(
+    "uq_alerts_open_fingerprint",
+    alerts.c.fingerprint,
+    unique=True,
+    sqlite_where=alerts.c.status == "firing",
+    postgresql_where=alerts.c.status == "firing",
+)
+
 RUN_STATES = ("pending", "claimed", "running", "done")
 
 runs = sa.Table(
@@ -156,11 +177,30 @@ runs = sa.Table(
     sa.Column("finished_at", UTCDateTime, nullable=True),
     sa.Column("outcome", sa.Text, nullable=True),
     sa.Column("verification", sa.Text, nullable=True),
+    # Version 3, all nullable (ALTER TABLE … ADD COLUMN). A pending run with `not_before`
+    # waits for a passing reason (`wait_reason`: paused, maintenance, cooldown, rate_limited,
+    # locked, busy) since `waiting_since`; `wait_reported` once its short report is queued.
+    sa.Column("not_before", UTCDateTime, nullable=True),
+    sa.Column("wait_reason", sa.Text, nullable=True),
+    sa.Column("waiting_since", UTCDateTime, nullable=True),
+    sa.Column("wait_reported", sa.Boolean, nullable=True),
+    sa.Column("disruptive", sa.Boolean, nullable=True),  # set when it starts running
     sa.CheckConstraint("state IN (" + ", ".join(f"'{s}'" for s in RUN_STATES) + ")", name="state"),
     sa.Index(None, "state", "id"),  # claim: oldest pending first
     sa.Index(None, "alert_id"),
     sa.Index(None, "started_at"),  # the hourly cap
     sa.Index(None, "owner", "state"),  # recovery at start-up
+    sa.Index(None, "state", "not_before"),  # claim: pending runs that are due
+)
+
+run_targets = sa.Table(
+    "run_targets",
+    metadata,
+    # The disruption set of a disruptive run: every target key its steps touch. A running
+    # run holds these targets (the per-target lock); a finished one counts in their breakers.
+    sa.Column("run_id", _ID, sa.ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True),
+    sa.Column("target", sa.Text, primary_key=True),
+    sa.Index(None, "target", "run_id"),
 )
 
 STEP_OUTPUT_MAX_BYTES = 64 * 1024
@@ -192,23 +232,30 @@ locks = sa.Table(
     sa.Column("ttl_seconds", sa.Float, nullable=False),
 )
 
-cooldowns = sa.Table(
-    "cooldowns",
+target_cooldowns = sa.Table(
+    "target_cooldowns",
     metadata,
+    # The cooldown of a target, shared by every disruptive playbook: nothing disrupts it
+    # again before `until` (left by run `run_id` of `playbook`).
     sa.Column("target", sa.Text, primary_key=True),
-    sa.Column("playbook", sa.Text, primary_key=True),
     sa.Column("until", UTCDateTime, nullable=False),
+    sa.Column("run_id", _ID, nullable=True),
+    sa.Column("playbook", sa.Text, nullable=True),
 )
 
-breakers = sa.Table(
-    "breakers",
+target_breakers = sa.Table(
+    "target_breakers",
     metadata,
+    # The circuit breaker of a target. Failures are counted from the runs themselves (see
+    # rails.py); this row says whether it is open, and since when a person last reset it.
     sa.Column("target", sa.Text, primary_key=True),
-    sa.Column("playbook", sa.Text, primary_key=True),
     sa.Column("state", sa.String(16), nullable=False),
-    sa.Column("failures", sa.Integer, nullable=False),
-    sa.Column("window_start", UTCDateTime, nullable=True),
     sa.Column("opened_at", UTCDateTime, nullable=True),
+    sa.Column("playbook", sa.Text, nullable=True),  # the playbook whose judgement opened it
+    sa.Column("run_id", _ID, nullable=True),  # the run that found it open
+    sa.Column("reason", sa.Text, nullable=True),
+    sa.Column("reset_at", UTCDateTime, nullable=True),
+    sa.Column("reset_by", sa.Text, nullable=True),
     sa.CheckConstraint("state IN ('closed', 'open')", name="state"),
 )
 
@@ -222,6 +269,10 @@ events = sa.Table(
     sa.Column("playbook", sa.Text, nullable=True),
     sa.Column("target", sa.Text, nullable=True),
     sa.Column("detail", sa.Text, nullable=False),
+    # Version 3: who did it (a person's credential name, `cli:USER`), and the event or run
+    # it refers to (an acknowledgement names its escalation).
+    sa.Column("actor", sa.Text, nullable=True),
+    sa.Column("ref_id", _ID, nullable=True),
     sa.Index(None, "kind", "id"),
 )
 
@@ -239,6 +290,7 @@ maintenance = sa.Table(
     sa.Column("since", UTCDateTime, nullable=False),
     sa.Column("reason", sa.Text, nullable=False),
     sa.Column("by", sa.Text, nullable=False),
+    sa.Column("until", UTCDateTime, nullable=True),  # version 3: None = until turned off
 )
 
 OUTBOX_STATES = ("pending", "sending", "sent", "failed")
@@ -302,31 +354,102 @@ class NewerSchemaError(Exception):
         self.known = known
 
 
-def _create_v1(conn: Connection) -> None:
-    # Version 1 as first released: every table but the outbox from `metadata` (unchanged
-    # since), the outbox in its frozen version-1 shape; `_migrate_to_2` adds the rest.
-    v1_tables = [table for table in metadata.sorted_tables if table.name != outbox.name]
-    metadata.create_all(conn, tables=v1_tables, checkfirst=True)
-    frozen = sa.MetaData(naming_convention=metadata.naming_convention)
-    sa.Table(outbox.name, frozen, *_outbox_v1_columns()).create(conn, checkfirst=True)
+def _add_columns(conn: Connection, table: str, columns: list[tuple[str, Any]]) -> None:
+    # ADD COLUMN of a nullable column without a default: instant on both databases.
+    preparer = conn.dialect.identifier_preparer
+    for name, type_ in columns:
+        column_type = type_.compile(dialect=conn.dialect)
+        conn.exec_driver_sql(
+            f"ALTER TABLE {preparer.quote(table)} ADD COLUMN {preparer.quote(name)} {column_type}"
+        )
 
 
 def _migrate_to_2(conn: Connection) -> None:
-    # ADD COLUMN of a nullable column without a default: instant on both databases.
-    preparer = conn.dialect.identifier_preparer
-    for name, type_ in _OUTBOX_V2_COLUMNS:
-        column_type = type_().compile(dialect=conn.dialect)
-        conn.exec_driver_sql(
-            f"ALTER TABLE {preparer.quote(outbox.name)} ADD COLUMN {preparer.quote(name)} "
-            f"{column_type}"
-        )
+    _add_columns(conn, outbox.name, [(name, type_()) for name, type_ in _OUTBOX_V2_COLUMNS])
     for index in outbox.indexes:
         if [c.name for c in index.columns] == ["topic", "id"]:
             index.create(conn, checkfirst=True)
 
 
-MIGRATIONS: dict[int, Callable[[Connection], None]] = {1: _create_v1, 2: _migrate_to_2}
-"""Version N -> the step that migrates a version N-1 database to N (inside one transaction)."""
+def _migrate_to_3(conn: Connection) -> None:
+    """Budgets per target, runs that wait, one open occurrence per fingerprint.
+
+    History is kept: every notification, alert, run, step, event and report stays. Open
+    breakers stay open (now on their target, whatever playbook opened them); cooldowns become
+    the target's (the latest end wins); a running run keeps its target as its disruption set.
+    """
+    now = sa.func.current_timestamp()
+    _add_columns(
+        conn,
+        runs.name,
+        [(c.name, c.type) for c in (runs.c.not_before, runs.c.wait_reason,
+         runs.c.waiting_since, runs.c.wait_reported, runs.c.disruptive)],
+    )  # fmt: skip
+    _add_columns(conn, notifications.name, [("rejected", sa.Text())])
+    _add_columns(conn, maintenance.name, [("until", maintenance.c.until.type)])
+    _add_columns(conn, events.name, [("actor", sa.Text()), ("ref_id", events.c.ref_id.type)])
+    for index in runs.indexes:
+        if [c.name for c in index.columns] == ["state", "not_before"]:
+            index.create(conn, checkfirst=True)
+    # Before the unique index: an older journal may hold two open occurrences of one
+    # fingerprint (an HA twin's startsAt); the newest stays open, the others are closed.
+    newest_open = (
+        sa.select(sa.func.max(alerts.c.id))
+        .where(alerts.c.status == "firing")
+        .group_by(alerts.c.fingerprint)
+    )
+    conn.execute(
+        sa.update(alerts)
+        .where(alerts.c.status == "firing", alerts.c.id.not_in(newest_open))
+        .values(status="resolved", resolved_at=now)
+    )
+    OPEN_OCCURRENCE_INDEX.create(conn, checkfirst=True)
+    for table in (run_targets, target_cooldowns, target_breakers):
+        table.create(conn, checkfirst=True)
+    old_cooldowns = sa.table("cooldowns", sa.column("target"), sa.column("until"))
+    old_breakers = sa.table(
+        "breakers", sa.column("target"), sa.column("playbook"), sa.column("state"),
+        sa.column("opened_at"),
+    )  # fmt: skip
+    conn.execute(
+        target_cooldowns.insert().from_select(
+            ["target", "until"],
+            sa.select(old_cooldowns.c.target, sa.func.max(old_cooldowns.c.until)).group_by(
+                old_cooldowns.c.target
+            ),
+        )
+    )
+    conn.execute(
+        target_breakers.insert().from_select(
+            ["target", "state", "opened_at", "playbook", "reason"],
+            sa.select(
+                old_breakers.c.target,
+                sa.literal("open"),
+                sa.func.min(old_breakers.c.opened_at),
+                sa.func.min(old_breakers.c.playbook),
+                sa.literal("open before the upgrade to per-target budgets"),
+            )
+            .where(old_breakers.c.state == "open")
+            .group_by(old_breakers.c.target),
+        )
+    )
+    conn.exec_driver_sql("DROP TABLE cooldowns")
+    conn.exec_driver_sql("DROP TABLE breakers")
+    # Target locks are now the disruption sets of running runs; the table keeps leases only.
+    running = sa.select(runs.c.id, runs.c.target).where(
+        runs.c.state == "running", runs.c.target.is_not(None)
+    )
+    conn.execute(run_targets.insert().from_select(["run_id", "target"], running))
+    conn.execute(sa.update(runs).where(runs.c.state == "running").values(disruptive=True))
+    conn.execute(sa.delete(locks).where(~locks.c.target.startswith("lease/")))
+
+
+MIGRATIONS: dict[int, Callable[[Connection], None]] = {2: _migrate_to_2, 3: _migrate_to_3}
+"""Version N -> the step that migrates a version N-1 database to N (inside one transaction).
+
+An empty database is created at `SCHEMA_VERSION` directly from `metadata`; version 1 was the
+first release's shape, which the steps from 2 on migrate.
+"""
 
 
 def current_version(conn: Connection) -> int:
@@ -349,7 +472,10 @@ def upgrade(conn: Connection, now: datetime) -> int:
     if found > SCHEMA_VERSION:
         raise NewerSchemaError(found, SCHEMA_VERSION)
     if found == 0:
-        schema_version.create(conn, checkfirst=True)
+        metadata.create_all(conn, checkfirst=True)  # OPEN_OCCURRENCE_INDEX included
+        for version in range(1, SCHEMA_VERSION + 1):
+            conn.execute(sa.insert(schema_version).values(version=version, applied_at=now))
+        return SCHEMA_VERSION
     for version in range(found + 1, SCHEMA_VERSION + 1):
         MIGRATIONS[version](conn)
         conn.execute(sa.insert(schema_version).values(version=version, applied_at=now))

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from remediator import verify
+from remediator import prometheus_api
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ def query_range(
     """The series of a range query; raises `GraphError` with the reason."""
     step = max(1.0, (end - start).total_seconds() / POINTS)
     try:
-        result = verify.query_range(
+        result = prometheus_api.query_range(
             prometheus_url,
             query,
             start=start.timestamp(),
@@ -84,7 +84,7 @@ def query_range(
             step=step,
             timeout_seconds=timeout_seconds,
         )
-    except verify.QueryError as exc:
+    except prometheus_api.QueryError as exc:
         raise GraphError(str(exc)) from None
     out = []
     for item in result:

@@ -29,7 +29,7 @@ from typing import Any
 from urllib.parse import parse_qs, quote, urlencode, urlsplit
 
 from exporter.roster import Roster
-from remediator.journal.store import QueuedReport, RunRecord, StepRecord
+from remediator.journal import QueuedReport, RunRecord, StepRecord
 from remediator.notify.markdown import (
     cell,
     cell_code,
@@ -57,6 +57,8 @@ OUTCOMES = {
     "not_healed": ("❌", "Not healed"),
     "failed": ("❌", "Failed"),
     "interrupted": ("⚠️", "Interrupted"),
+    # The alert stopped firing before a step that changes something: neither heal nor failure.
+    "resolved": ("✅", "Resolved before acting"),
 }
 DECISIONS = {
     "notify_only": "reported only",
@@ -68,6 +70,10 @@ DECISIONS = {
     "rate_limited": "fleet-wide cap reached",
     "dry_run": "dry-run",
     "locked": "another run is acting",
+    "busy": "fleet-wide concurrency cap reached",
+    "resolved": "the alert resolved first",
+    "expired": "waited too long",
+    "cancelled": "cancelled by a person",
 }
 # A comparison with a number at the end of an expression (`… == 0`, `… > bool 0.9`): the
 # picture shows the value compared, not the 0/1 or filtered result of the comparison.
@@ -392,6 +398,25 @@ class Reporter:
             text += f" · {where}"
         text += f"\nresolved {stamp(ended)}"
         return [QueuedReport(self.topic(alert.labels), text)]
+
+    def waiting_report(
+        self, run: RunRecord, *, playbook: str, target: str, verdict: Any
+    ) -> list[QueuedReport]:
+        """A short report: the run has waited a while for a passing reason, and waits on.
+
+        `verdict` is the rails' `Verdict` (`wait_reason`, `reason`, `not_before`).
+        """
+        since = run.waiting_since or run.created_at
+        waited = duration((verdict.not_before - since).total_seconds()) if verdict.not_before \
+            else "a while"  # fmt: skip
+        text = (
+            f"⏳ **Waiting** — {code(playbook)} on {code(target)} (run #{run.id}, "
+            f"**{inline(run.alert.alertname or 'alert')}**) waits "
+            f"({inline(verdict.wait_reason or '?')}): {rich(verdict.reason)}. It acts once that "
+            f"passes while the alert still fires; next look {stamp(verdict.not_before)} "
+            f"(waiting since {stamp(since)}, {waited} by then)."
+        )
+        return [QueuedReport(self.topic(run.alert.labels), text)]
 
     def escalation_reports(
         self, run: RunRecord, *, playbook: str, target: str, why: str

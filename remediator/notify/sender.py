@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from enum import Enum
 
-from remediator.journal.store import Journal, JournalError, OutboxEntry
+from remediator.journal import Journal, JournalError, OutboxEntry
 from remediator.metrics import RemediatorMetrics
 from remediator.notify import graph
 from remediator.notify.markdown import code, fit, fit_topic, inline
@@ -108,6 +108,16 @@ class OutboxSender:
 
     # -- life cycle -----------------------------------------------------------------------
 
+    @property
+    def started(self) -> bool:
+        """True once `start` was called and until `stop`."""
+        return self._thread is not None and not self._stop.is_set()
+
+    @property
+    def alive(self) -> bool:
+        """True while the sending thread runs."""
+        return self._thread is not None and self._thread.is_alive()
+
     def start(self) -> None:
         """Send in a background thread until `stop`."""
         self._stop.clear()
@@ -127,6 +137,10 @@ class OutboxSender:
                 log.warning("zulip sender: cannot release its lease (it expires): %s", exc)
             self.holds_lease = False
 
+    def _count_error(self) -> None:
+        if self.metrics is not None:
+            self.metrics.loop_errors.labels("zulip-sender").inc()
+
     def wake(self) -> None:
         """A report was queued: look at the outbox now rather than at the next poll."""
         self._wake.set()
@@ -136,9 +150,11 @@ class OutboxSender:
             try:
                 self.send_due()
             except JournalError as exc:
+                self._count_error()
                 log.error("zulip sender: journal unavailable: %s", exc)
             except Exception:
                 # The thread must outlive any one bad report; the next pass tries again.
+                self._count_error()
                 log.exception("zulip sender: unexpected error")
             self._wake.wait(self.settings.poll_seconds)
             self._wake.clear()

@@ -25,10 +25,15 @@ are required, the rest optional with the defaults shown):
       probe:                              # one step of a read-only action, run after promql
         http_probe: {url: "{server.url}/health"}
     policy:
-      cooldown_seconds: 600               # no second run on the same target before this (600)
+      cooldown_seconds: 600               # nothing disrupts the targets again before this (600)
       timeout_seconds: 300                # the whole run, steps and verification (300)
-      breaker: {max_failures: 3, window_seconds: 3600}   # runs that did not heal → stop, escalate
+      breaker: {max_failures: 3, window_seconds: 3600}   # failures of the target → stop, escalate
       dry_run: false                      # this playbook only records what it would do
+      budget_scope: nested                # or `target`: touch only its own target's budget
+
+Budgets (cooldown, breaker, lock) belong to targets and are shared by every disruptive playbook
+(`remediator.playbooks.budget` says what a run touches, `remediator.journal.rails` how they
+are judged).
 
 Steps: each is a mapping of one action name (`remediator.actions.registry.registered()`) to its
 params, plus an optional `timeout_seconds`. Params are validated against the action's params

@@ -256,19 +256,32 @@ class _Frozen(BaseModel):
 
 
 class Breaker(_Frozen):
-    """`max_failures` runs that did not heal within `window_seconds` stop the playbook there."""
+    """`max_failures` failures of the target within `window_seconds` open its breaker.
+
+    Failures are every disruptive run on the target that did not heal, or healed and the
+    problem came back, whatever playbook ran it (`remediator.journal.rails`).
+    """
 
     max_failures: int = Field(default=3, ge=1, le=100)
     window_seconds: float = Field(default=3600.0, gt=0, le=7 * 86400)
 
 
+BudgetScope = Literal["nested", "target"]
+
+
 class Policy(_Frozen):
-    """A playbook's safety rails (the fleet-wide caps are in the remediator's config)."""
+    """A playbook's safety rails (the fleet-wide caps are in the remediator's config).
+
+    `cooldown_seconds` and `breaker` judge the disruption budget of the targets the run
+    touches (`remediator.playbooks.budget`): shared by every disruptive playbook.
+    `budget_scope: target` narrows what the run touches to its own target (see there).
+    """
 
     cooldown_seconds: float = Field(default=600.0, ge=0, le=7 * 86400)
     timeout_seconds: float = Field(default=300.0, gt=0, le=6 * 3600)
     breaker: Breaker = Breaker()
     dry_run: bool = False
+    budget_scope: BudgetScope = "nested"
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""PromQL checks through Prometheus' HTTP API: whether a fix held.
+"""Prometheus' HTTP API client: instant and range queries, rules, and whether a fix held.
 
 `promql_holds` evaluates an instant query (`GET /api/v1/query`, Prometheus docs "HTTP API")
 until it returns a non-empty result or the time is up. The answer is
@@ -124,7 +124,31 @@ def query_range(
     return result
 
 
+def alerting_rule_names(prometheus_url: str, *, timeout_seconds: float) -> set[str]:
+    """The names of the alerting rules Prometheus evaluates (`/api/v1/rules?type=alert`)."""
+    data = _api_get(prometheus_url, "rules", {"type": "alert"}, timeout_seconds)
+    groups = data.get("groups")
+    if not isinstance(groups, list):
+        raise QueryError("Prometheus answered success without data.groups")
+    names: set[str] = set()
+    for group in groups:
+        for rule in group.get("rules", []) if isinstance(group, dict) else []:
+            if isinstance(rule, dict) and isinstance(rule.get("name"), str):
+                names.add(rule["name"])
+    return names
+
+
 def _api_query(
+    prometheus_url: str, endpoint: str, params: dict[str, str], timeout_seconds: float
+) -> dict[str, Any]:
+    """`data` of a successful query answer (with `data.result`); raises `QueryError`."""
+    data = _api_get(prometheus_url, endpoint, params, timeout_seconds)
+    if not isinstance(data.get("result"), list):
+        raise QueryError("Prometheus answered success without data.result")
+    return data
+
+
+def _api_get(
     prometheus_url: str, endpoint: str, params: dict[str, str], timeout_seconds: float
 ) -> dict[str, Any]:
     """`data` of a successful answer of `/api/v1/<endpoint>`; raises `QueryError` why not."""
@@ -173,8 +197,8 @@ def _api_query(
             f"{answer.get('error', 'no reason given')}"
         )
     data = answer.get("data")
-    if not isinstance(data, dict) or not isinstance(data.get("result"), list):
-        raise QueryError("Prometheus answered success without data.result")
+    if not isinstance(data, dict):
+        raise QueryError("Prometheus answered success without data")
     return data
 
 

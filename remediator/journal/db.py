@@ -1,0 +1,319 @@
+"""The journal's database: engines, transactions, dialect helpers, errors and storable text.
+
+`Database(url, replica_id=…)` opens SQLite (`sqlite:////var/lib/gpu-fleet/journal.db`, the
+embedded default) or PostgreSQL (`postgresql://user@host/db`, for several replicas) and gives
+the concern modules (`admission`, `runs`, `rails`, `outbox`, `events`) the one way they touch
+it: `_tx(what, body)`, one transaction, retried on a deadlock, every failure raised as
+`JournalError` whose message names the operation and the database (never its password).
+
+Writers take the write lock when they begin (SQLite `BEGIN IMMEDIATE`), so a transaction that
+reads and then writes never fails half-way on a lock upgrade; `_serialise(conn)` additionally
+makes the transaction the only one of its kind fleet-wide on PostgreSQL (a transaction-level
+advisory lock), which is how the rails decide "may this act now?" without check-then-act.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, TypeVar
+
+import sqlalchemy as sa
+from sqlalchemy import event as sa_event
+from sqlalchemy.dialects import postgresql as pg_dialect
+from sqlalchemy.dialects import sqlite as sqlite_dialect
+from sqlalchemy.engine import URL, Connection, Engine, make_url
+from sqlalchemy.pool import StaticPool
+
+from remediator.journal.schema import STEP_OUTPUT_MAX_BYTES, NewerSchemaError, upgrade
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+SQLITE_BUSY_TIMEOUT_MS = 10_000
+"""How long a SQLite writer waits for another one before failing (the webhook then 5xx)."""
+
+# PostgreSQL: a connection attempt, a row lock and a statement each give up in bounded time,
+# so a wedged database turns into a JournalError (and a 5xx Alertmanager retries), not a hang.
+_PG_CONNECT_TIMEOUT_S = 10
+_PG_OPTIONS = "-c lock_timeout=10s -c statement_timeout=60s"
+
+# SQLSTATEs after which the whole transaction may simply be run again: serialization_failure
+# and deadlock_detected (PostgreSQL, appendix A "Error codes"). Each transaction's body is
+# replayable: it reads what it needs inside the transaction.
+_RETRY_SQLSTATES = frozenset({"40001", "40P01"})
+ATTEMPTS = 3  # tries of a transaction (or of a compare-and-set inside one)
+
+# Any constants: the keys of the advisory locks that serialise schema migrations between
+# replicas starting together, and the rails' decisions (both held for one transaction only).
+_MIGRATION_LOCK_KEY = 0x6770_7566_6C65_6574  # "gpufleet"
+RAILS_LOCK_KEY = 0x6770_7566_7261_696C  # "gpufrail"
+
+
+class JournalError(Exception):
+    """The journal cannot read or write (the webhook answers 5xx so Alertmanager retries)."""
+
+
+class RunStateError(JournalError):
+    """A run is missing, or not in the state the operation needs."""
+
+
+def utcnow() -> datetime:
+    """Now, aware UTC: the journal's default clock."""
+    return datetime.now(UTC)
+
+
+def utc(value: datetime) -> datetime:
+    """Aware UTC; a naive time is taken as UTC (Alertmanager writes UTC)."""
+    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+def clean(text: str) -> str:
+    """Text a database accepts.
+
+    PostgreSQL refuses NUL in text, and lone surrogates (from output decoded with
+    `surrogateescape`) cannot be encoded as UTF-8 at all.
+    """
+    if "\x00" in text:
+        text = text.replace("\x00", "\ufffd")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = text.encode("utf-8", errors="replace").decode("utf-8")
+    return text
+
+
+def bound_output(text: str, limit: int = STEP_OUTPUT_MAX_BYTES) -> str:
+    """`text` cut to at most `limit` bytes of UTF-8, keeping its head and (most of) its tail.
+
+    The tail is usually where a command says why it failed, the head what it was doing.
+    """
+    text = clean(text)
+    data = text.encode("utf-8")
+    if len(data) <= limit:
+        return text
+    budget = limit - 64  # room for the marker
+    head_len = budget // 4
+    tail_len = budget - head_len
+    cut = len(data) - head_len - tail_len
+    # errors="ignore" drops the partial character a byte cut may leave at either edge.
+    head = data[:head_len].decode("utf-8", errors="ignore")
+    tail = data[len(data) - tail_len :].decode("utf-8", errors="ignore")
+    return f"{head}\n… [{cut} bytes cut] …\n{tail}"
+
+
+class Database:
+    """One SQLite or PostgreSQL database, its schema migrated; safe to share between threads.
+
+    `replica_id` names this process among the replicas; `clock` is injected for tests, and
+    every time the journal writes comes from it.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        replica_id: str,
+        clock: Callable[[], datetime] = utcnow,
+    ) -> None:
+        self.replica_id = replica_id
+        self._clock = clock
+        # Only for an in-memory SQLite database, where every thread shares one connection.
+        self._serial: threading.Lock | None = None
+        try:
+            parsed = make_url(url)
+        except (sa.exc.ArgumentError, ValueError):
+            # The parser's message repeats the URL, password and all: not shown.
+            raise JournalError(
+                "journal: not a database URL (sqlite:////PATH/journal.db or "
+                "postgresql://USER@HOST:PORT/DB)"
+            ) from None
+        self._password = parsed.password
+        self.safe_url = parsed.render_as_string(hide_password=True)
+        """The URL with its password hidden, for logs and messages."""
+        backend = parsed.get_backend_name()
+        if backend == "sqlite":
+            self._engine = self._sqlite_engine(parsed)
+        elif backend in ("postgresql", "postgres"):
+            self._engine = self._postgresql_engine(parsed)
+        else:
+            raise JournalError(
+                f"journal {self.safe_url}: unsupported database {backend!r} (SQLite or PostgreSQL)"
+            )
+        self._dialect = self._engine.dialect.name
+        try:
+            self._version = self._tx("open the schema", self._open_schema)
+        except NewerSchemaError as exc:
+            self._engine.dispose()
+            raise JournalError(f"journal {self.safe_url}: {exc}") from None
+        except JournalError:
+            self._engine.dispose()
+            raise
+
+    @property
+    def dialect(self) -> str:
+        """`sqlite` or `postgresql`."""
+        return self._dialect
+
+    # -- engines -----------------------------------------------------------------------------
+
+    def _sqlite_engine(self, url: URL) -> Engine:
+        database = url.database or ""
+        memory = database in ("", ":memory:") or url.query.get("mode") == "memory"
+        options: dict[str, Any] = {
+            # The web server's threads and the engine's workers share the engine's pool; each
+            # connection is used by one thread at a time, which is what SQLite requires.
+            "connect_args": {
+                "check_same_thread": False,
+                "timeout": SQLITE_BUSY_TIMEOUT_MS / 1000,
+            },
+        }
+        if memory:
+            # An in-memory database lives in its one connection: share it, one transaction
+            # at a time (tests and `replay` only; it is not durable).
+            options["poolclass"] = StaticPool
+            self._serial = threading.Lock()
+        else:
+            try:
+                Path(database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise JournalError(
+                    f"journal {self.safe_url}: cannot create the directory of {database}: "
+                    f"{exc.strerror or exc}"
+                ) from None
+        engine = sa.create_engine(url, **options)
+
+        @sa_event.listens_for(engine, "connect")
+        def _on_connect(dbapi_connection: Any, connection_record: Any) -> None:
+            del connection_record
+            # The driver would BEGIN (deferred) on its own before a write; we issue every
+            # BEGIN ourselves (below) so writers can say IMMEDIATE.
+            dbapi_connection.isolation_level = None
+            cursor = dbapi_connection.cursor()
+            try:
+                # Before journal_mode: switching a new file to WAL needs a moment's lock.
+                cursor.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
+                cursor.execute("PRAGMA journal_mode = WAL")
+                # Durability: in WAL mode with synchronous=NORMAL, a committed transaction
+                # survives a crash of the *process* (the WAL is in the OS's page cache), but
+                # the last ones may roll back after a power loss or OS crash; the database is
+                # never corrupted. SQLite's docs (https://www.sqlite.org/pragma.html
+                # #pragma_synchronous): "Transactions are durable across application crashes
+                # regardless of the synchronous setting or journal mode." That is the promise
+                # DESIGN.md makes (durable across a process crash) at a fraction of FULL's
+                # fsync per commit; Alertmanager resends what an OS crash loses.
+                cursor.execute("PRAGMA synchronous = NORMAL")
+                # Per connection, off by default: cascades and SET NULL need it.
+                cursor.execute("PRAGMA foreign_keys = ON")
+            finally:
+                cursor.close()
+
+        @sa_event.listens_for(engine, "begin")
+        def _on_begin(conn: Connection) -> None:
+            # A deferred transaction that reads and then writes must upgrade its lock; with
+            # two such writers in WAL mode one gets SQLITE_BUSY at once, without waiting
+            # (https://www.sqlite.org/lang_transaction.html, "Deferred, Immediate, and
+            # Exclusive Transactions"). Writers therefore take the write lock at BEGIN,
+            # where busy_timeout applies; readers stay deferred and never block.
+            write = conn.get_execution_options().get("journal_write", False)
+            conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
+
+        return engine
+
+    def _postgresql_engine(self, url: URL) -> Engine:
+        # SQLAlchemy's default PostgreSQL driver is psycopg2; the project ships psycopg 3.
+        if url.drivername in ("postgresql", "postgres"):
+            url = url.set(drivername="postgresql+psycopg")
+        try:
+            return sa.create_engine(
+                url,
+                # A replica outlives database restarts and fail-overs: test a pooled
+                # connection before use instead of failing the next webhook on it.
+                pool_pre_ping=True,
+                connect_args={
+                    "connect_timeout": _PG_CONNECT_TIMEOUT_S,
+                    "application_name": f"gpu-fleet-remediator {self.replica_id}"[:63],
+                    "options": _PG_OPTIONS,
+                },
+            )
+        except (sa.exc.SQLAlchemyError, ImportError) as exc:
+            raise JournalError(f"journal {self.safe_url}: {exc}") from None
+
+    def _open_schema(self, conn: Connection) -> int:
+        if self._dialect == "postgresql":
+            conn.execute(sa.select(sa.func.pg_advisory_xact_lock(_MIGRATION_LOCK_KEY)))
+        version = upgrade(conn, self._clock())
+        if self._dialect == "sqlite":
+            mode = conn.exec_driver_sql("PRAGMA journal_mode").scalar()
+            if mode not in ("wal", "memory"):
+                # The durability promise above rests on WAL; say so rather than run without.
+                raise JournalError(
+                    f"journal {self.safe_url}: SQLite refused WAL mode (journal_mode is "
+                    f"{mode!r}); the file system may not support it (a network file system?)"
+                )
+        return version
+
+    # -- transactions ------------------------------------------------------------------------
+
+    def _tx(self, what: str, body: Callable[[Connection], T], *, write: bool = True) -> T:
+        """Run `body` in one transaction (retried on a deadlock); errors -> JournalError."""
+        serial = self._serial if self._serial is not None else contextlib.nullcontext()
+        for attempt in range(1, ATTEMPTS + 1):
+            try:
+                with serial, self._engine.connect() as conn:
+                    conn.execution_options(journal_write=write)
+                    with conn.begin():
+                        return body(conn)
+            except sa.exc.DBAPIError as exc:
+                sqlstate = getattr(exc.orig, "sqlstate", None)
+                if sqlstate in _RETRY_SQLSTATES and attempt < ATTEMPTS:
+                    continue
+                raise self._error(what, exc) from exc
+            except (sa.exc.SQLAlchemyError, OSError) as exc:
+                raise self._error(what, exc) from exc
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+    def _serialise(self, conn: Connection) -> None:
+        """Make this write transaction the only rails decision in flight, fleet-wide.
+
+        SQLite: `BEGIN IMMEDIATE` already holds the database's one write lock. PostgreSQL: a
+        transaction-level advisory lock that every rails decision takes first, so counts
+        (running runs, runs this hour) and the locks read inside cannot change under it.
+        """
+        if self._dialect == "postgresql":
+            conn.execute(sa.select(sa.func.pg_advisory_xact_lock(RAILS_LOCK_KEY)))
+
+    def _error(self, what: str, exc: BaseException) -> JournalError:
+        if isinstance(exc, sa.exc.DBAPIError) and exc.orig is not None:
+            # The driver's own words, without SQLAlchemy's echo of the statement.
+            detail = f"{type(exc.orig).__name__}: {exc.orig}"
+        else:
+            detail = f"{type(exc).__name__}: {exc}"
+        detail = " ".join(detail.split()) or type(exc).__name__
+        if self._password:
+            detail = detail.replace(self._password, "***")
+        return JournalError(f"journal {self.safe_url}: cannot {what}: {detail}")
+
+    def _insert(self, table: sa.Table) -> Any:
+        """An INSERT with `on_conflict_do_nothing/_update` (both dialects spell it alike)."""
+        if self._dialect == "postgresql":
+            return pg_dialect.insert(table)
+        return sqlite_dialect.insert(table)
+
+    def _upsert(self, table: sa.Table, keys: Sequence[str], values: Mapping[str, Any]) -> Any:
+        """INSERT … ON CONFLICT (keys) DO UPDATE SET every non-key column given."""
+        stmt = self._insert(table).values(**values)
+        update = {name: stmt.excluded[name] for name in values if name not in keys}
+        return stmt.on_conflict_do_update(index_elements=list(keys), set_=update)
+
+    def close(self) -> None:
+        """Close every pooled connection."""
+        self._engine.dispose()
+
+    def check_writable(self) -> None:
+        """Raise `JournalError` unless a write transaction can begin and commit now (`/healthz`)."""
+        self._tx("write (health check)", lambda conn: conn.execute(sa.text("SELECT 1")))

@@ -1,0 +1,397 @@
+"""Runs: claims, transitions, steps, heartbeats, recovery, and reading runs back.
+
+A run's states: `pending` (admitted, or waiting for a passing reason with a `not_before`) ->
+`claimed` (a worker of one replica decides it) -> `running` (its steps execute; only the rails
+put a run there, `rails.py`) -> `done`. Each transition is one conditional UPDATE whose row
+count says whether it happened: a run in another state raises `RunStateError`.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from remediator.journal.db import RunStateError, bound_output, clean
+from remediator.journal.events import Events
+from remediator.journal.outbox import Outbox
+from remediator.journal.records import AlertRecord, ReportLike, RunRecord, StepRecord
+from remediator.journal.schema import alerts, locks, runs, steps
+
+_CLAIM_ATTEMPTS = 20
+CANCELLABLE = "pending"
+
+
+class Runs(Outbox, Events):
+    """The runs' SQL."""
+
+    def claim_next_run(self) -> RunRecord | None:
+        """Take the oldest due pending run (pending -> claimed by this replica); None if none.
+
+        Due: admitted and not waiting, or waiting with its `not_before` passed. A conditional
+        UPDATE (… WHERE state = 'pending') whose row count says whether this replica won; a
+        loser tries the next candidate. On PostgreSQL the candidate is read with FOR UPDATE
+        SKIP LOCKED, so concurrent claimers do not even queue on one row; on SQLite the write
+        transaction (BEGIN IMMEDIATE) already serialises them.
+        """
+
+        def body(conn: Connection) -> RunRecord | None:
+            now = self._clock()
+            for _ in range(_CLAIM_ATTEMPTS):
+                candidate = conn.execute(
+                    sa.select(runs.c.id)
+                    .where(
+                        runs.c.state == "pending",
+                        sa.or_(runs.c.not_before.is_(None), runs.c.not_before <= now),
+                    )
+                    .order_by(runs.c.not_before.is_not(None), runs.c.id)
+                    .limit(1)
+                    .with_for_update(skip_locked=True)
+                ).scalar_one_or_none()
+                if candidate is None:
+                    return None
+                won = conn.execute(
+                    sa.update(runs)
+                    .where(runs.c.id == candidate, runs.c.state == "pending")
+                    .values(state="claimed", owner=self.replica_id, claimed_at=now)
+                ).rowcount
+                if won == 1:
+                    return self._select_runs(conn, runs.c.id == candidate)[0]
+            return None
+
+        return self._tx("claim a run", body)
+
+    def next_due(self) -> datetime | None:
+        """When the next waiting run is due (None: none waits); the workers sleep until then."""
+        query = sa.select(sa.func.min(runs.c.not_before)).where(
+            runs.c.state == "pending", runs.c.not_before.is_not(None)
+        )
+        found = self._tx("read the next due run", lambda c: c.execute(query).scalar(), write=False)
+        if found is not None and not isinstance(found, datetime):
+            # min() over SQLite's text column comes back as text, not through UTCDateTime.
+            found = datetime.fromisoformat(str(found)).replace(tzinfo=self._clock().tzinfo)
+        return found
+
+    def _transition(
+        self,
+        conn: Connection,
+        run_id: int,
+        from_states: Sequence[str],
+        values: Mapping[str, Any],
+        what: str,
+    ) -> None:
+        """Move a run between states with a conditional UPDATE, or raise RunStateError."""
+        changed = conn.execute(
+            sa.update(runs)
+            .where(runs.c.id == run_id, runs.c.state.in_(from_states))
+            .values(**values)
+        ).rowcount
+        if changed == 1:
+            return
+        state = conn.execute(sa.select(runs.c.state).where(runs.c.id == run_id)).scalar()
+        if state is None:
+            raise RunStateError(f"cannot {what}: there is no run {run_id}")
+        raise RunStateError(
+            f"cannot {what}: run {run_id} is {state}, not {' or '.join(from_states)}"
+        )
+
+    def decide(
+        self,
+        run_id: int,
+        decision: str,
+        reason: str,
+        *,
+        playbook: str | None = None,
+        target: str | None = None,
+        reports: Sequence[ReportLike] = (),
+    ) -> None:
+        """A run that will not execute (notify-only, rejected, dry-run …): state `done`.
+
+        `reports` join the outbox in the same transaction.
+        """
+        values: dict[str, Any] = {"decision": decision, "reason": clean(reason)}
+        if playbook is not None:
+            values["playbook"] = playbook
+        if target is not None:
+            values["target"] = target
+
+        def body(conn: Connection) -> None:
+            self._end(
+                conn, run_id, ("pending", "claimed"), values, reports, what=f"decide run {run_id}"
+            )
+
+        self._tx("decide a run", body)
+
+    def _end(
+        self,
+        conn: Connection,
+        run_id: int,
+        from_states: Sequence[str],
+        values: Mapping[str, Any],
+        reports: Sequence[ReportLike],
+        *,
+        what: str,
+    ) -> None:
+        """A run ends (state `done`) with `values`, its reports queued in the same transaction."""
+        now = self._clock()
+        for report in reports:
+            self._enqueue(conn, report, run_id, now)
+        # After the reports: a run in the wrong state rolls them back with it.
+        self._transition(
+            conn,
+            run_id,
+            from_states,
+            {**values, "state": "done", "finished_at": now, "not_before": None},
+            what,
+        )
+
+    def cancel_run(self, run_id: int, *, by: str, reason: str) -> None:
+        """A person cancels a run that has not started (waiting or queued): `done`, `cancelled`.
+
+        Raises `RunStateError` for a run that is being decided, running or done.
+        """
+
+        def body(conn: Connection) -> None:
+            detail = f"run {run_id} cancelled by {by}" + (f": {reason}" if reason else "")
+            values = {"decision": "cancelled", "reason": clean(detail)}
+            self._end(conn, run_id, (CANCELLABLE,), values, (), what=f"cancel run {run_id}")
+            self._add_event(conn, "run_cancelled", detail, run_id=run_id, actor=by)
+
+        self._tx("cancel a run", body)
+
+    def heartbeat(self, run_id: int) -> None:
+        """A running run is alive: heartbeat_at (a no-op for a run no longer running).
+
+        The targets a running run holds stay held while its heartbeat is fresh (rails.py).
+        """
+        stmt = (
+            sa.update(runs)
+            .where(runs.c.id == run_id, runs.c.state == "running")
+            .values(heartbeat_at=self._clock())
+        )
+        self._tx("heartbeat a run", lambda conn: conn.execute(stmt))
+
+    def record_step(
+        self,
+        run_id: int,
+        index: int,
+        action: str,
+        params: Mapping[str, Any],
+        *,
+        started_at: datetime,
+        finished_at: datetime | None,
+        result: str,
+        output: str,
+    ) -> None:
+        """Write a step (by run and index): when it starts (result `running`) and when it ends.
+
+        The output is cut to `STEP_OUTPUT_MAX_BYTES` (64 KiB) of UTF-8, head and tail kept.
+        """
+        stmt = self._upsert(
+            steps,
+            ("run_id", "idx"),
+            {
+                "run_id": run_id,
+                "idx": index,
+                "action": action,
+                "params": dict(params),
+                "started_at": started_at,
+                "finished_at": finished_at,
+                "result": result,
+                "output": bound_output(output),
+            },
+        )
+        self._tx("record a step", lambda conn: conn.execute(stmt))
+
+    def recover_interrupted(
+        self, reports_for: Callable[[RunRecord], Sequence[ReportLike]] | None = None
+    ) -> list[int]:
+        """At start-up, take back this replica's runs a crash or kill left behind.
+
+        Claimed (not yet acting) -> pending again: another worker decides them afresh.
+        Running -> done, outcome `interrupted`, with an `interrupted` event: never re-run,
+        because a half-done action (a kill, a restart) must not be repeated blindly; people
+        are told instead (and it counts as a failure in its targets' breakers). Steps left
+        `running` become `interrupted`; the targets it held are free once it is done, and any
+        lease this replica held is released (at start-up it holds none).
+        `reports_for(run)` gives each interrupted run's reports, queued in the same
+        transaction. Returns the interrupted run ids.
+        """
+        now = self._clock()
+
+        def body(conn: Connection) -> list[int]:
+            mine = conn.execute(
+                sa.select(runs.c.id, runs.c.state, runs.c.playbook, runs.c.target)
+                .where(runs.c.owner == self.replica_id, runs.c.state.in_(("claimed", "running")))
+                .order_by(runs.c.id)
+            ).all()
+            claimed = [row.id for row in mine if row.state == "claimed"]
+            running = [row for row in mine if row.state == "running"]
+            if claimed:
+                conn.execute(
+                    sa.update(runs)
+                    .where(runs.c.id.in_(claimed), runs.c.state == "claimed")
+                    .values(state="pending", owner=None, claimed_at=None)
+                )
+            interrupted = [int(row.id) for row in running]
+            if interrupted:
+                conn.execute(
+                    sa.update(runs)
+                    .where(runs.c.id.in_(interrupted), runs.c.state == "running")
+                    .values(
+                        state="done",
+                        outcome="interrupted",
+                        finished_at=now,
+                        verification="interrupted: the remediator stopped while the run "
+                        "was executing; not re-run",
+                    )
+                )
+                conn.execute(
+                    sa.update(steps)
+                    .where(steps.c.run_id.in_(interrupted), steps.c.result == "running")
+                    .values(result="interrupted", finished_at=now)
+                )
+                for row in running:
+                    self._add_event(
+                        conn,
+                        "interrupted",
+                        f"run {row.id} ({row.playbook} on {row.target}) was executing when "
+                        f"replica {self.replica_id} stopped; marked interrupted, not re-run",
+                        run_id=row.id,
+                        playbook=row.playbook,
+                        target=row.target,
+                    )
+                if reports_for is not None:
+                    for run in self._select_runs(conn, runs.c.id.in_(interrupted)):
+                        for report in reports_for(run):
+                            self._enqueue(conn, report, run.id, now)
+            # Leases this replica held before it stopped are its no more (the targets its runs
+            # held are free now that those runs are done).
+            conn.execute(sa.delete(locks).where(locks.c.owner == self.replica_id))
+            return interrupted
+
+        return self._tx("recover interrupted runs", body)
+
+    def _select_runs(
+        self, conn: Connection, where: sa.ColumnElement[bool], limit: int | None = None
+    ) -> list[RunRecord]:
+        """Runs (newest first) with their alerts and steps: two queries, however many runs."""
+        columns = [c.label(f"r_{c.name}") for c in runs.c]
+        columns += [c.label(f"a_{c.name}") for c in alerts.c]
+        query = (
+            sa.select(*columns)
+            .select_from(runs.join(alerts, runs.c.alert_id == alerts.c.id))
+            .where(where)
+            .order_by(runs.c.id.desc())
+        )
+        if limit is not None:
+            query = query.limit(limit)
+        rows = conn.execute(query).mappings().all()
+        by_run: dict[int, list[StepRecord]] = defaultdict(list)
+        if rows:
+            found = conn.execute(
+                sa.select(steps)
+                .where(steps.c.run_id.in_([row["r_id"] for row in rows]))
+                .order_by(steps.c.run_id, steps.c.idx)
+            ).all()
+            for step in found:
+                by_run[step.run_id].append(
+                    StepRecord(
+                        index=step.idx,
+                        action=step.action,
+                        params=step.params,
+                        started_at=step.started_at,
+                        finished_at=step.finished_at,
+                        result=step.result,
+                        output=step.output,
+                    )
+                )
+        return [
+            RunRecord(
+                id=row["r_id"],
+                alert=AlertRecord(
+                    id=row["a_id"],
+                    fingerprint=row["a_fingerprint"],
+                    starts_at=row["a_starts_at"],
+                    status=row["a_status"],
+                    alertname=row["a_alertname"],
+                    labels=row["a_labels"],
+                    annotations=row["a_annotations"],
+                    generator_url=row["a_generator_url"],
+                    first_seen=row["a_first_seen"],
+                    last_seen=row["a_last_seen"],
+                    resolved_at=row["a_resolved_at"],
+                ),
+                state=row["r_state"],
+                decision=row["r_decision"],
+                reason=row["r_reason"],
+                playbook=row["r_playbook"],
+                target=row["r_target"],
+                owner=row["r_owner"],
+                created_at=row["r_created_at"],
+                claimed_at=row["r_claimed_at"],
+                started_at=row["r_started_at"],
+                finished_at=row["r_finished_at"],
+                outcome=row["r_outcome"],
+                verification=row["r_verification"],
+                steps=by_run[row["r_id"]],
+                not_before=row["r_not_before"],
+                wait_reason=row["r_wait_reason"],
+                waiting_since=row["r_waiting_since"],
+                disruptive=row["r_disruptive"],
+            )
+            for row in rows
+        ]
+
+    def recent_runs(self, limit: int = 50) -> list[RunRecord]:
+        """The newest runs first, each with its alert and steps."""
+        return self._tx(
+            "read recent runs", lambda conn: self._select_runs(conn, sa.true(), limit), write=False
+        )
+
+    def waiting_runs(self, limit: int = 200) -> list[RunRecord]:
+        """Runs waiting for a passing reason, newest first."""
+        where = sa.and_(runs.c.state == "pending", runs.c.wait_reason.is_not(None))
+        return self._tx(
+            "read waiting runs", lambda conn: self._select_runs(conn, where, limit), write=False
+        )
+
+    def get_run(self, run_id: int) -> RunRecord | None:
+        """One run with its alert and steps; None if there is no such run."""
+        found = self._tx(
+            "read a run", lambda conn: self._select_runs(conn, runs.c.id == run_id), write=False
+        )
+        return found[0] if found else None
+
+    def _count(self, what: str, *where: sa.ColumnElement[bool]) -> int:
+        query = sa.select(sa.func.count()).select_from(runs).where(*where)
+        return int(self._tx(what, lambda conn: conn.execute(query).scalar_one(), write=False))
+
+    def count_running(self) -> int:
+        """Runs executing now, fleet-wide (every replica)."""
+        return self._count("count running runs", runs.c.state == "running")
+
+    def queue_depth(self) -> int:
+        """Runs waiting or being decided: pending (waiting included) + claimed."""
+        return self._count("read the queue depth", runs.c.state.in_(("pending", "claimed")))
+
+    def waiting_stats(self) -> tuple[dict[str, int], datetime | None]:
+        """Waiting runs by reason, and when the longest-waiting one began to wait."""
+
+        def body(conn: Connection) -> tuple[dict[str, int], Any]:
+            waiting = sa.and_(runs.c.state == "pending", runs.c.wait_reason.is_not(None))
+            rows = conn.execute(
+                sa.select(runs.c.wait_reason, sa.func.count()).where(waiting)
+                .group_by(runs.c.wait_reason)
+            ).all()  # fmt: skip
+            oldest = conn.execute(sa.select(sa.func.min(runs.c.waiting_since)).where(waiting))
+            return {str(r[0]): int(r[1]) for r in rows}, oldest.scalar()
+
+        counts, oldest = self._tx("read the waiting runs", body, write=False)
+        if oldest is not None and not isinstance(oldest, datetime):
+            oldest = datetime.fromisoformat(str(oldest)).replace(tzinfo=self._clock().tzinfo)
+        return counts, oldest

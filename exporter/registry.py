@@ -165,7 +165,12 @@ def build_collectors(settings: ExporterSettings) -> list[SourceCollector]:
         expected_compute_mode=compute_mode,
         timeout_seconds=settings.collector_timeout_seconds,
     )
-    amd = AmdCollector(settings.sysfs, gpu_index=gpu_index, expected_count=expected_amd)
+    amd = AmdCollector(
+        settings.sysfs,
+        gpu_index=gpu_index,
+        expected_count=expected_amd,
+        timeout_seconds=settings.collector_timeout_seconds,
+    )
     gpu_collectors: list[GpuCollector] = [nvidia, amd]
     # All vendors' GPUs at once, so indices follow PCI bus order across vendors.
     gpu_index.register(bus_id for c in gpu_collectors for bus_id in c.pci_bus_ids())

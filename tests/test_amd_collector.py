@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -22,6 +24,7 @@ from exporter.sources.amdgpu import (
     walk_cards,
 )
 from tests.golden import assert_golden, exposition
+from tests.scraping import scrape as scrape_once
 from tests.sysfs_tree import (
     AmdCardSpec,
     PowerFiles,
@@ -383,3 +386,53 @@ def test_parsers() -> None:
         "PCI_SLOT_NAME": "0000:03:00.0",
     }
     assert parse_uevent(None) == {}
+
+
+def test_a_hung_sysfs_read_is_not_read_this_scrape_not_lost(tmp_path: Path) -> None:
+    """A read blocked in the kernel (a FIFO here: open() waits for a writer) costs one
+    deadline; the card shows as timed out, the others are read, and none is called lost."""
+    cards = [write_amd_card(tmp_path, spec) for spec in fleet_specs([0, 1])]
+    busy = cards[0].file("gpu_busy_percent")
+    busy.unlink()
+    os.mkfifo(busy)
+    amd = AmdCollector(
+        str(tmp_path), gpu_index=GpuIndex(), expected_count=2, timeout_seconds=0.2,
+        clock=FakeClock(),
+    )  # fmt: skip
+    try:
+        start = time.monotonic()
+        registry, error = scrape_once(amd)
+        assert time.monotonic() - start < 1.0
+        assert error is not None and "card 0000:03:00.0 did not return within 0.2 s" in str(error)
+        value = registry.get_sample_value
+        assert value("gpufleet_gpu_read_timeout", {"gpu": "0"}) == 1
+        assert value("gpufleet_gpu_up", {"gpu": "0"}) is None  # not read: unknown, not 0
+        assert value("gpufleet_gpu_up", {"gpu": "1"}) is None  # not reached
+        assert value("gpufleet_gpus_lost", {"vendor": "amd"}) == 0
+        # Still stuck: answered at once, nothing queued behind the stuck read.
+        start = time.monotonic()
+        registry, error = scrape_once(amd)
+        assert time.monotonic() - start < 0.1
+        assert error is not None and "still stuck on card 0000:03:00.0" in str(error)
+        assert registry.get_sample_value("gpufleet_gpu_read_timeout", {"gpu": "0"}) == 1
+        # The read returns (a writer comes and goes). The next scrape reads the card that
+        # timed out last: card 1 is read, then card 0's FIFO blocks again.
+        with open(busy, "w") as writer:
+            writer.write("55\n")
+        deadline = time.monotonic() + 2
+        while "still stuck" in str(error) and time.monotonic() < deadline:
+            registry, error = scrape_once(amd)  # until the worker has finished the old read
+        assert error is not None and "did not return" in str(error)
+        assert registry.get_sample_value("gpufleet_gpu_up", {"gpu": "1"}) == 1
+        assert registry.get_sample_value("gpufleet_gpu_read_timeout", {"gpu": "1"}) == 0
+        assert registry.get_sample_value("gpufleet_gpu_utilization_ratio", {"gpu": "1"}) == 0.37
+        assert registry.get_sample_value("gpufleet_gpu_read_timeout", {"gpu": "0"}) == 1
+    finally:
+        amd.close()
+        _unblock(busy)
+
+
+def _unblock(fifo: Path) -> None:
+    """End a read blocked on opening `fifo`: a writer that opens and closes (EOF)."""
+    with contextlib.suppress(OSError):  # ENXIO: nobody waits on it
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))

@@ -20,6 +20,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
 
 from exporter.canary import CanaryCollector
 from exporter.exposition import TextWriter
@@ -36,6 +37,7 @@ from tests.sysfs_tree import (
     write_k10temp,
 )
 from tests.systemctl_stand_in import SystemctlStandIn
+from tests.ttar import extract
 from tests.vllm_stand_in import VllmStandIn
 
 REPO = Path(__file__).resolve().parent.parent
@@ -104,6 +106,21 @@ def scrape_when_xids_arrived(registry: CollectorRegistry) -> str:
             return text
         time.sleep(0.05)
     raise AssertionError("the scenario's Xid events never showed:\n" + text)
+
+
+def assert_unique_series(text: str) -> None:
+    """No two samples of the exposition share a name and label set (Prometheus would keep one
+    of them, silently; promtool does not mind)."""
+    seen: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    duplicates = []
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = (sample.name, tuple(sorted(sample.labels.items())))
+            if key in seen:
+                duplicates.append(key)
+            seen[key] = sample.value
+    assert not duplicates, f"samples sharing a label set: {duplicates}"
+    assert seen, "an empty exposition proves nothing"
 
 
 def promtool_check(text: str) -> None:
@@ -197,7 +214,9 @@ def test_mixed_vendor_host_golden_and_indices(
     }
     for collector in ("nvidia", "amd", "hwmon", "host"):
         assert f'gpufleet_exporter_collector_success{{collector="{collector}"}} 1.0' in text
-    assert 'gpufleet_host_temperature_critical_celsius{chip="k10temp",sensor="Tctl"} 95.0' in text
+    roster_crit = 'chip="k10temp",sensor="Tctl",source="roster"} 95.0'
+    assert f"gpufleet_host_temperature_critical_celsius{{{roster_crit}" in text
+    assert_unique_series(text)
     promtool_check(text)
 
 
@@ -235,3 +254,42 @@ def test_text_writer_escapes_and_falls_back() -> None:
         "x_seconds", "h", buckets=[("1.0", 1), ("+Inf", 2)], sum_value=3
     )
     assert b'x_seconds_bucket{le="1.0"} 1.0' in writer.render([histogram])
+
+
+FIXTURE_TREES = REPO / "tests" / "fixtures" / "sysfs"
+
+
+@pytest.mark.parametrize(
+    ("archive", "root"),
+    [
+        # node_exporter's collector/fixtures/sys.ttar (hwmon part): hwmon4 has two channels
+        # labelled `foosensor`, coretemp.0 and coretemp.1 share a chip name and all labels.
+        ("node_exporter_hwmon.ttar", "sys"),
+        # prometheus/procfs testdata/fixtures.ttar (class/drm): a Vega card0 (amdgpu) beside
+        # an i915 card1.
+        ("procfs_vega.ttar", "fixtures/sys"),
+    ],
+)
+def test_no_scrape_of_real_captures_has_two_samples_with_one_label_set(
+    tmp_path: Path, archive: str, root: str
+) -> None:
+    extract(FIXTURE_TREES / archive, tmp_path)
+    host = Host.model_validate({"address": "127.0.0.1", "gpus": {"amd": {"count": 1}}})
+    settings = ExporterSettings(host=host, sysfs=str(tmp_path / root))
+    registry, collector = build_registry(settings)
+    try:
+        text = TextWriter().render_registry(registry).decode()
+        assert_unique_series(text)
+        promtool_check(text)
+    finally:
+        collector.close()
+    if archive == "node_exporter_hwmon.ttar":
+        for line in (
+            'gpufleet_host_temperature_celsius{chip="hwmon4",sensor="foosensor"} 55.0',
+            'gpufleet_host_temperature_celsius{chip="hwmon4",sensor="foosensor_temp2"} 54.0',
+            'gpufleet_host_temperature_celsius{chip="coretemp_1",sensor="Core 0"}',
+        ):
+            assert line in text
+    else:
+        assert 'gpufleet_gpu_up{gpu="0"} 1.0' in text
+        assert 'vendor="amd"' in text and 'card="card0"' in text

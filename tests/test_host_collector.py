@@ -5,13 +5,13 @@ from __future__ import annotations
 import time
 
 import psutil
-from prometheus_client import CollectorRegistry
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
 
 from exporter.collectors.base import SourceCollector
-from exporter.collectors.host import HostCollector
+from exporter.collectors.host import CPU_MODES, HostCollector
 
 NAMES = [
-    "gpufleet_host_cpu_utilization_ratio",
     "gpufleet_host_load1",
     "gpufleet_host_load5",
     "gpufleet_host_load15",
@@ -35,7 +35,6 @@ def test_every_series_present_and_sane() -> None:
         value = registry.get_sample_value(name)
         assert value is not None, name
         values[name] = value
-    assert 0 <= values["gpufleet_host_cpu_utilization_ratio"] <= 1
     assert values["gpufleet_host_cpus"] == psutil.cpu_count(logical=True)
     total = values["gpufleet_host_memory_total_bytes"]
     assert total == psutil.virtual_memory().total
@@ -46,12 +45,33 @@ def test_every_series_present_and_sane() -> None:
     collector.close()
 
 
-def test_cpu_utilization_is_measured_from_the_constructor() -> None:
-    collector = HostCollector()
-    start = time.process_time()
-    while time.process_time() - start < 0.2:  # CPU time between the priming call and the scrape
-        pass
+def cpu_seconds(collector: HostCollector) -> dict[str, float]:
     families = {f.name: f for f in collector.collect()}
-    ratio = families["gpufleet_host_cpu_utilization_ratio"].samples[0].value
-    # Unprimed, psutil would answer exactly 0.0 for the first interval.
-    assert 0 < ratio <= 1
+    return {s.labels["mode"]: s.value for s in families["gpufleet_host_cpu_seconds"].samples}
+
+
+def test_cpu_time_is_counters_not_a_ratio_since_the_last_scrape() -> None:
+    """Counters: what one scraper sees does not depend on when another scraped."""
+    collector = HostCollector()
+    first = cpu_seconds(collector)
+    assert set(first) <= set(CPU_MODES) and {"user", "system", "idle"} <= set(first)
+    start = time.process_time()
+    while time.process_time() - start < 0.2:  # burn CPU time between the scrapes
+        pass
+    second = cpu_seconds(collector)
+    assert all(second[mode] >= first[mode] for mode in first)
+    # This process alone spent 0.2 s of CPU time in user or system mode.
+    busy = sum(second[m] - first[m] for m in ("user", "nice", "system"))
+    assert busy >= 0.15
+    # The modes add up to elapsed CPU time: no mode is counted twice (guest is inside user).
+    total = sum(second.values())
+    assert total == pytest.approx(sum(psutil.cpu_times()[:8]), rel=0.01)
+    text = generate_latest(registry_with(collector)).decode()
+    assert "# TYPE gpufleet_host_cpu_seconds_total counter" in text
+    assert "gpufleet_host_cpu_utilization_ratio" not in text
+
+
+def registry_with(collector: HostCollector) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    return registry

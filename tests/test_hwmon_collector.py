@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry
@@ -13,6 +14,7 @@ from exporter.sources.hwmon import chip_labels, list_chips, read_chip
 from tests.golden import assert_golden, exposition
 from tests.sysfs_tree import (
     ACPITZ,
+    TempSpec,
     apu_spec,
     discrete_spec,
     nvme_spec,
@@ -46,9 +48,28 @@ def temp(registry: CollectorRegistry, chip: str, sensor: str) -> float | None:
 
 
 def crit(registry: CollectorRegistry, chip: str, sensor: str) -> float | None:
-    return registry.get_sample_value(
-        "gpufleet_host_temperature_critical_celsius", {"chip": chip, "sensor": sensor}
-    )
+    """The critical value, whatever its source (`source_of` says which)."""
+    for family in registry.collect():
+        for sample in family.samples:
+            if (
+                sample.name == "gpufleet_host_temperature_critical_celsius"
+                and sample.labels["chip"] == chip
+                and sample.labels["sensor"] == sensor
+            ):
+                return sample.value
+    return None
+
+
+def source_of(registry: CollectorRegistry, chip: str, sensor: str) -> str | None:
+    for family in registry.collect():
+        for sample in family.samples:
+            if (
+                sample.name == "gpufleet_host_temperature_critical_celsius"
+                and sample.labels["chip"] == chip
+                and sample.labels["sensor"] == sensor
+            ):
+                return sample.labels["source"]
+    return None
 
 
 def write_host(root: Path) -> None:
@@ -90,10 +111,15 @@ def test_k10temp_critical_default_and_roster_override(tmp_path: Path) -> None:
     write_host(tmp_path)
     registry = registry_of(tmp_path)
     assert crit(registry, "k10temp", "Tctl") == 90
+    # Our default, not the hardware's word: marked as such.
+    assert source_of(registry, "k10temp", "Tctl") == "default"
+    assert source_of(registry, "nvme", "Composite") == "hwmon"
     assert crit(registry, "k10temp", "Tccd1") is None  # no file, no roster, no default
     roster = {"k10temp/Tctl": 95.0, "nvme/Composite": 70.0, "nvme_1/Sensor 1": 80.0}
     registry = registry_of(tmp_path, thermal=roster)
     assert crit(registry, "k10temp", "Tctl") == 95
+    assert source_of(registry, "k10temp", "Tctl") == "roster"
+    assert source_of(registry, "nvme", "Composite") == "hwmon"
     assert crit(registry, "nvme", "Composite") == 84.85  # the hardware's own value wins
     assert crit(registry, "nvme_1", "Sensor 1") == 80
     assert crit(registry, "nvme", "Sensor 1") is None
@@ -168,5 +194,33 @@ def test_source_chip_name_fallbacks(tmp_path: Path) -> None:
     assert chip is not None
     assert chip.name == "k10temp"
     (chip_dir / "device" / "name").unlink()
-    assert read_chip(str(chip_dir)) is None  # nameless: no stable `chip` label
+    # Nameless (the ABI says it may not be, captures say it happens): named by its directory,
+    # which is not stable across boots but better than losing the readings.
+    nameless = read_chip(str(chip_dir))
+    assert nameless is not None and nameless.name == chip_dir.name
     assert read_chip(str(tmp_path / "absent")) is None
+
+
+def test_channels_sharing_a_label_are_told_apart(tmp_path: Path) -> None:
+    """Two channels labelled alike: the first keeps the label, the later one is qualified."""
+    chip_dir = write_hwmon_chip(
+        tmp_path,
+        replace(
+            ACPITZ,
+            name="it8688",
+            temps=(TempSpec("foosensor", 55_000), TempSpec("foosensor", 54_000), TempSpec(None, 1)),
+        ),
+    )
+    (chip_dir / "temp4_input").write_text("30000\n")
+    (chip_dir / "temp4_label").write_text("temp3\n")  # a label equal to another's fallback
+    chip = read_chip(str(chip_dir))
+    assert chip is not None
+    assert [t.sensor for t in chip.temps] == [
+        "foosensor",
+        "foosensor_temp2",
+        "temp3",
+        "temp3_temp4",
+    ]
+    registry = registry_of(tmp_path)
+    assert temp(registry, "it8688", "foosensor") == 55
+    assert temp(registry, "it8688", "foosensor_temp2") == 54

@@ -216,21 +216,29 @@ def test_hung_call_does_not_hang_the_scrape(make: Make) -> None:
     assert "nvmlDeviceGetPowerUsage on GPU 0000:c1:00.0" in str(error)
     assert "did not return within 0.3 s" in str(error)
     value = registry.get_sample_value
-    # Read before the deadline: exported normally. In progress: down.
+    # Read before the deadline: exported normally. In progress: not read, so neither up nor
+    # down (unknown is absent), and the read-timeout signal names it.
     assert value("gpufleet_gpu_up", {"gpu": "0"}) == 1
+    assert value("gpufleet_gpu_read_timeout", {"gpu": "0"}) == 0
     assert value("gpufleet_gpu_power_watts", {"gpu": "0"}) == 250
-    assert value("gpufleet_gpu_up", {"gpu": "1"}) == 0
+    assert value("gpufleet_gpu_up", {"gpu": "1"}) is None
+    assert value("gpufleet_gpu_read_timeout", {"gpu": "1"}) == 1
     assert value("gpufleet_gpu_utilization_ratio", {"gpu": "1"}) is None
-    assert value("gpufleet_gpus_lost", {"vendor": "nvidia"}) == 1
+    assert value("gpufleet_gpus_lost", {"vendor": "nvidia"}) == 0
 
-    # Still stuck: answer at once, every GPU down, no work queued behind the stuck call.
+    # Still stuck: answer at once, no work queued behind the stuck call. The GPU the call is
+    # stuck in timed out; the other was not read: no GPU is called lost for it.
     start = time.monotonic()
     registry, error = scrape(collector)
     assert time.monotonic() - start < 0.1
     assert error is not None and "still stuck in nvmlDeviceGetPowerUsage" in str(error)
-    assert registry.get_sample_value("gpufleet_gpu_up", {"gpu": "0"}) == 0
-    assert registry.get_sample_value("gpufleet_gpu_up", {"gpu": "1"}) == 0
-    assert registry.get_sample_value("gpufleet_gpus_lost", {"vendor": "nvidia"}) == 2
+    value = registry.get_sample_value
+    assert value("gpufleet_gpu_up", {"gpu": "0"}) is None
+    assert value("gpufleet_gpu_up", {"gpu": "1"}) is None
+    assert value("gpufleet_gpu_read_timeout", {"gpu": "0"}) is None
+    assert value("gpufleet_gpu_read_timeout", {"gpu": "1"}) == 1
+    assert value("gpufleet_gpus_lost", {"vendor": "nvidia"}) == 0
+    assert value("gpufleet_gpu_info", {**INFO_HANG, "gpu": "1"}) == 1
 
     # The call returns (the fake's hang ends): the next scrape works normally.
     fake.release_hangs()
@@ -239,7 +247,48 @@ def test_hung_call_does_not_hang_the_scrape(make: Make) -> None:
         registry, error = scrape(collector)
     assert error is None
     assert registry.get_sample_value("gpufleet_gpu_up", {"gpu": "1"}) == 1
+    assert registry.get_sample_value("gpufleet_gpu_read_timeout", {"gpu": "1"}) == 0
     assert registry.get_sample_value("gpufleet_gpu_power_watts", {"gpu": "1"}) == 260
+
+
+INFO_HANG = {
+    "uuid": "GPU-aaaaaaaa-0000-0000-0000-000000000002",
+    "pci_bus_id": "0000:c1:00.0",
+    "vendor": "nvidia",
+    "model": "NVIDIA H200",
+    "pci_id": "10de:2335",
+    "card": "",
+    "vbios": "",
+}
+
+
+def test_a_hung_gpu_does_not_starve_the_others(make: Make, tmp_path: Path) -> None:
+    """The first GPU in bus order hangs on every read: the second is read all the same."""
+    scenario = copy_fixture("hang.yaml", tmp_path)
+
+    def first_gpu_hangs(data: dict[str, Any]) -> None:
+        del data["gpus"][1]["hang"]
+        data["gpus"][0]["hang"] = {"call": "nvmlDeviceGetPowerUsage", "seconds": 0.4, "times": 5}
+
+    edit_scenario(scenario, first_gpu_hangs)
+    collector = make(FakeNvml(scenario), timeout_seconds=0.15)
+    registry, error = scrape(collector)
+    assert error is not None
+    # GPU 0 is read first and hangs; GPU 1 is never reached in this scrape.
+    assert registry.get_sample_value("gpufleet_gpu_read_timeout", {"gpu": "0"}) == 1
+    assert registry.get_sample_value("gpufleet_gpu_read_timeout", {"gpu": "1"}) is None
+    assert registry.get_sample_value("gpufleet_gpu_up", {"gpu": "1"}) is None
+    time.sleep(0.4)  # the stuck call returns
+    for _ in range(3):
+        registry, error = scrape(collector)
+        assert error is not None and "did not return" in str(error)
+        # The GPU that hung is read last: GPU 1 is read first, and GPU 0 hangs again.
+        assert registry.get_sample_value("gpufleet_gpu_up", {"gpu": "1"}) == 1
+        assert registry.get_sample_value("gpufleet_gpu_read_timeout", {"gpu": "1"}) == 0
+        assert registry.get_sample_value("gpufleet_gpu_power_watts", {"gpu": "1"}) == 260
+        assert registry.get_sample_value("gpufleet_gpu_read_timeout", {"gpu": "0"}) == 1
+        assert registry.get_sample_value("gpufleet_gpu_up", {"gpu": "0"}) is None
+        time.sleep(0.4)
 
 
 def test_library_missing_with_gpus_expected(make: Make) -> None:

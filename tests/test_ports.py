@@ -142,13 +142,28 @@ def ghost(registry: Any, name: str, port: int) -> float | None:
 
 
 def listeners(registry: Any) -> set[tuple[str, str, str]]:
-    found = set()
+    """(port, pid, comm) of each listener: the info series and the pid series, which carry no
+    pid label (a restart must not make a new series) and match one for one."""
+    infos, pids = set(), {}
     for family in registry.collect():
-        if family.name == "gpufleet_port_listener_info":
-            for sample in family.samples:
-                assert sample.value == 1.0
-                found.add((sample.labels["port"], sample.labels["pid"], sample.labels["comm"]))
-    return found
+        for sample in family.samples:
+            if family.name == "gpufleet_port_listener_info":
+                assert sample.value == 1.0 and "pid" not in sample.labels
+                infos.add((sample.labels["port"], sample.labels["comm"]))
+            elif family.name == "gpufleet_port_listener_pid":
+                pids[sample.labels["port"], sample.labels["comm"]] = str(int(sample.value))
+    assert infos == set(pids)
+    return {(port, pids[port, comm], comm) for port, comm in infos}
+
+
+def listener_series(registry: Any) -> set[tuple[str, tuple[tuple[str, str], ...]]]:
+    """The label sets of the listener series: what Prometheus would store as series."""
+    return {
+        (sample.name, tuple(sorted(sample.labels.items())))
+        for family in registry.collect()
+        if family.name.startswith("gpufleet_port_listener_")
+        for sample in family.samples
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -247,11 +262,14 @@ def test_a_ghost_costs_one_full_scan_then_its_holder_is_rechecked(
         assert error is None and ghost(registry, "alpha", port) == 1.0
         assert ports.last_scan is not None and not ports.last_scan.full_scan
         assert len(ports.last_scan.hinted) == 1
+        before = listener_series(registry)
     with PythonListener(port) as second:  # another ghost on the port: the old hint fails
         registry, error = scrape(ports)
     assert second.pid != first.pid
     assert error is None and ghost(registry, "alpha", port) == 1.0
     assert {pid for _, pid, _ in listeners(registry)} == {str(second.pid)}
+    # A new process on the port (a restart of a crash-looping unit) is not a new series.
+    assert listener_series(registry) == before
     assert ports.last_scan is not None and ports.last_scan.full_scan and not ports.last_scan.hinted
 
 

@@ -14,25 +14,93 @@ Sample output (one discrete card)::
     gpufleet_gpu_temperature_celsius{gpu="0",sensor="junction"} 71.0
     gpufleet_gpu_power_watts{gpu="0"} 215.0
 
+Reads run off the scrape thread, under a deadline. amdgpu answers a sysfs read by asking the
+GPU's SMU, and a card in trouble (a hung SMU, a reset in progress, a card falling off the bus)
+can block that read in the kernel for seconds or for good. So every read of the cards (and
+rediscovery) runs on one worker thread; `collect()` waits for it at most `timeout_seconds`,
+exports the cards read by then, and raises `CollectorError`. As for NVIDIA, "not read this
+scrape" is not "read and failed": the card the worker is stuck in has no `gpufleet_gpu_up`
+and `gpufleet_gpu_read_timeout 1`, a card not reached has neither, and while the worker is
+still stuck no new work is queued behind it. A card that timed out is read last next time.
+
 Check by hand: `cat /sys/class/drm/card0/device/gpu_busy_percent`,
 `sensors amdgpu-pci-0300` (lm-sensors shows the same hwmon values in °C and W).
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import queue
+import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
-from exporter.collectors.base import Rediscovery
+from exporter.collectors.base import CollectorError, Rediscovery
 from exporter.gpu_index import GpuIndex
-from exporter.sources.amdgpu import AmdCard, discover_cards
+from exporter.sources.amdgpu import AmdCard, AmdIdentity, AmdReading, discover_cards
+
+log = logging.getLogger(__name__)
 
 VENDOR = "amd"
 INFO_LABELS = ("gpu", "uuid", "pci_bus_id", "vendor", "model", "pci_id", "card", "vbios")
+# The worker thread ends after this long without a scrape (a new one starts with the next).
+_WORKER_IDLE_SECONDS = 120.0
+
+
+@dataclass(frozen=True, slots=True)
+class _CardRead:
+    """Everything one scrape read of one card (on the worker thread)."""
+
+    identity: AmdIdentity
+    present: bool
+    reading: AmdReading | None = None
+    totals: tuple[tuple[str, int], ...] = ()
+    temperature_limits: tuple[tuple[str, float | None, float | None], ...] = ()
+    power_limits: tuple[tuple[str, float], ...] = ()
+    clock_max: tuple[tuple[str, float], ...] = ()
+
+
+class _Job:
+    """One scrape's reads; `collect()` takes what has landed by its deadline."""
+
+    def __init__(self, slow: frozenset[str]) -> None:
+        self.slow = slow
+        self.done = threading.Event()
+        self.cancelled = threading.Event()
+        self.failure: str | None = None
+        self.cards: tuple[AmdCard, ...] = ()
+        self.current: str | None = None  # PCI slot of the card being read
+        self._lock = threading.Lock()
+        self._reads: dict[str, _CardRead] = {}
+
+    def record(self, slot: str, read: _CardRead) -> None:
+        with self._lock:
+            self._reads[slot] = read
+            self.current = None
+
+    def reads(self) -> dict[str, _CardRead]:
+        with self._lock:
+            return dict(self._reads)
+
+
+def _read_card(card: AmdCard) -> _CardRead:
+    identity = card.identity()
+    if not card.present():
+        return _CardRead(identity, present=False)  # every read would fail: skip them
+    return _CardRead(
+        identity,
+        present=True,
+        reading=card.read(),
+        totals=tuple(card.memory_totals()),
+        temperature_limits=tuple(card.temperature_limits()),
+        power_limits=tuple(card.power_limits()),
+        clock_max=tuple(card.clock_max()),
+    )
 
 
 class AmdCollector:
@@ -48,6 +116,7 @@ class AmdCollector:
         expected_count: int | None,
         use_udev: bool | None = None,
         rediscover_seconds: float = 60.0,
+        timeout_seconds: float = 4.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._sysfs = sysfs
@@ -59,6 +128,16 @@ class AmdCollector:
         # so a concurrent scrape iterates a consistent snapshot.
         self._cards: tuple[AmdCard, ...] = ()
         self._gpu_labels: dict[str, str] = {}
+        self._timeout = timeout_seconds
+        # Identities read so far, by PCI slot: the info series of a card not read this scrape.
+        self._identities: dict[str, AmdIdentity] = {}
+        self._slow: frozenset[str] = frozenset()  # cards whose read timed out lately
+        self._lock = threading.Lock()  # guards the worker, its queue and the busy job
+        self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+        self._worker: threading.Thread | None = None
+        self._busy: _Job | None = None
+        self._closed = False
+        # Discovery at start runs here: the registry needs the bus ids before any scrape.
         self._discover()
         self._rediscovery = Rediscovery(self._discover, rediscover_seconds, clock)
 
@@ -95,13 +174,103 @@ class AmdCollector:
         return label
 
     def collect(self) -> Iterator[Metric]:
-        """Yield fresh families for every known card (see the module docstring)."""
+        """Yield fresh families for every card read in time (see the module docstring)."""
+        job = self._submit()
+        if job is None:
+            if self._closed:
+                return
+            with self._lock:
+                busy = self._busy
+            stuck = busy.current if busy is not None else None
+            yield from self._families({}, {stuck} if stuck else set())
+            raise CollectorError(
+                f"amdgpu sysfs read still stuck on card {stuck or '(discovery)'} since an "
+                "earlier scrape; no new reads queued"
+            )
+        finished = job.done.wait(self._timeout)
+        timed_out: set[str] = set()
+        if not finished:
+            job.cancelled.set()
+            current = job.current
+            if current is not None:
+                timed_out.add(current)
+        reads = job.reads()
+        timed_out -= set(reads)
+        self._slow = (self._slow - set(reads)) | frozenset(timed_out)
+        yield from self._families(reads, timed_out)
+        if not finished:
+            where = f"card {min(timed_out)}" if timed_out else "discovery"
+            raise CollectorError(
+                f"amdgpu sysfs read of {where} did not return within {self._timeout:g} s"
+            )
+        if job.failure is not None:
+            raise CollectorError(job.failure)
+
+    # -- the worker ----------------------------------------------------------------------------
+
+    def _submit(self) -> _Job | None:
+        """Queue a scrape's reads, unless closed or the worker is still stuck in earlier ones."""
+        with self._lock:
+            if self._closed or self._busy is not None:
+                return None
+            job = _Job(self._slow)
+            self._busy = job
+            self._jobs.put(job)
+            if self._worker is None or not self._worker.is_alive():
+                self._worker = threading.Thread(target=self._work, name="amdgpu-read", daemon=True)
+                self._worker.start()
+        return job
+
+    def _work(self) -> None:
+        while True:
+            try:
+                job = self._jobs.get(timeout=_WORKER_IDLE_SECONDS)
+            except queue.Empty:
+                with self._lock:
+                    # Idle: end, unless a job was queued meanwhile (then take it).
+                    if self._jobs.empty():
+                        self._worker = None
+                        return
+                continue
+            try:
+                self._run(job)
+            except Exception as err:
+                # A bug here must not leave the collector stuck as "busy" for ever.
+                log.exception("amdgpu read job failed")
+                job.failure = f"amdgpu read failed: {type(err).__name__}: {err}"
+            finally:
+                with self._lock:
+                    self._busy = None
+                job.done.set()
+
+    def _run(self, job: _Job) -> None:
         self._rediscovery.run_if_due()
+        cards = sorted(self._cards, key=lambda c: (c.location.pci_slot in job.slow,))
+        job.cards = tuple(cards)
+        for card in cards:
+            if job.cancelled.is_set():
+                return  # past the deadline: nobody reads the rest
+            job.current = card.location.pci_slot
+            job.record(card.location.pci_slot, _read_card(card))
+
+    # -- families ------------------------------------------------------------------------------
+
+    def _families(self, reads: dict[str, _CardRead], timed_out: set[str]) -> Iterator[Metric]:
         cards = self._cards
+        for slot, done in reads.items():
+            self._identities[slot] = done.identity
 
         info = GaugeMetricFamily("gpufleet_gpu_info", "GPU identity.", labels=INFO_LABELS)
         up = GaugeMetricFamily(
-            "gpufleet_gpu_up", "1 while the GPU is readable, 0 once it is lost.", labels=["gpu"]
+            "gpufleet_gpu_up",
+            "1 when the GPU was read, 0 when read and lost or erroring; absent when not read.",
+            labels=["gpu"],
+        )
+        read_timeout = GaugeMetricFamily(
+            "gpufleet_gpu_read_timeout",
+            "1 when reading the GPU did not finish within the collector's deadline (its call "
+            "hangs), 0 when it was read this scrape; absent when it was not reached.",
+            labels=["gpu"],
         )
         util = GaugeMetricFamily(
             "gpufleet_gpu_utilization_ratio", "Fraction of time the GPU was busy.", labels=["gpu"]
@@ -147,41 +316,50 @@ class AmdCollector:
             "gpufleet_gpu_clock_max_hertz", "Highest GPU clock level.", labels=["gpu", "clock"]
         )
 
-        cards_up = 0
+        cards_up = unread = 0
         for card in cards:
-            identity = card.identity()
-            gpu = self._gpu_label(identity.pci_bus_id)
-            info.add_metric(
-                (
-                    gpu,
-                    identity.uuid,
-                    identity.pci_bus_id,
-                    VENDOR,
-                    identity.model,
-                    identity.pci_id,
-                    identity.card,
-                    identity.vbios,
-                ),
-                1,
-            )
-            if not card.present():
+            slot = card.location.pci_slot
+            gpu = self._gpu_label(slot)
+            read = reads.get(slot)
+            identity = read.identity if read is not None else self._identities.get(slot)
+            if identity is not None:
+                info.add_metric(
+                    (
+                        gpu,
+                        identity.uuid,
+                        identity.pci_bus_id,
+                        VENDOR,
+                        identity.model,
+                        identity.pci_id,
+                        identity.card,
+                        identity.vbios,
+                    ),
+                    1,
+                )
+            if read is None:
+                unread += 1
+                if slot in timed_out:
+                    read_timeout.add_metric((gpu,), 1)
+                continue
+            read_timeout.add_metric((gpu,), 0)
+            reading = read.reading
+            if not read.present or reading is None:
                 up.add_metric((gpu,), 0)
-                continue  # every read would fail: skip them
+                continue
             up.add_metric((gpu,), 1)
             cards_up += 1
 
-            reading = card.read()
             if reading.utilization is not None:
                 util.add_metric((gpu,), reading.utilization)
             if reading.memory_utilization is not None:
                 mem_util.add_metric((gpu,), reading.memory_utilization)
             for pool, value in reading.memory_used:
                 mem_used.add_metric((gpu, pool), value)
-            for pool, value in card.memory_totals():
+            for pool, value in read.totals:
                 mem_total.add_metric((gpu, pool), value)
             for sensor, celsius in reading.temperatures:
                 temp.add_metric((gpu, sensor), celsius)
-            for sensor, crit, emergency in card.temperature_limits():
+            for sensor, crit, emergency in read.temperature_limits:
                 if crit is not None:
                     temp_crit.add_metric((gpu, sensor), crit)
                 if emergency is not None:
@@ -190,7 +368,7 @@ class AmdCollector:
                 power.add_metric((gpu,), reading.power_watts)
             if reading.power_cap_watts is not None:
                 power_limit.add_metric((gpu, "current"), reading.power_cap_watts)
-            for kind, watts in card.power_limits():
+            for kind, watts in read.power_limits:
                 power_limit.add_metric((gpu, kind), watts)
             if reading.energy_joules is not None:
                 energy.add_metric((gpu,), reading.energy_joules)
@@ -198,19 +376,21 @@ class AmdCollector:
                 fan.add_metric((gpu,), reading.fan_rpm)
             for name, hertz in reading.clocks:
                 clock.add_metric((gpu, name), hertz)
-            for name, hertz in card.clock_max():
+            for name, hertz in read.clock_max:
                 clock_max.add_metric((gpu, name), hertz)
 
-        families: list[Metric] = [info, up]
+        families: list[Metric] = [info, up, read_timeout]
         if self._expected_count is not None:
             expected = GaugeMetricFamily(
                 "gpufleet_gpus_expected", "GPUs the roster says the host has.", labels=["vendor"]
             )
             expected.add_metric((VENDOR,), self._expected_count)
             lost = GaugeMetricFamily(
-                "gpufleet_gpus_lost", "Expected GPUs not up.", labels=["vendor"]
+                "gpufleet_gpus_lost",
+                "Expected GPUs that are missing or down (GPUs not read this scrape excluded).",
+                labels=["vendor"],
             )
-            lost.add_metric((VENDOR,), max(0, self._expected_count - cards_up))
+            lost.add_metric((VENDOR,), max(0, self._expected_count - cards_up - unread))
             families += (expected, lost)
         families += (
             util, mem_util, mem_used, mem_total, temp, temp_crit, temp_emergency,
@@ -220,4 +400,6 @@ class AmdCollector:
         yield from (family for family in families if family.samples)
 
     def close(self) -> None:
-        """Nothing to release: the collector holds no open files or threads."""
+        """Let the worker end: it stops taking reads (a read stuck in the kernel stays so)."""
+        with self._lock:
+            self._closed = True

@@ -1,13 +1,23 @@
 """Host CPU, load and memory via psutil.
 
+CPU time is exported as counters, `gpufleet_host_cpu_seconds_total{mode}` (summed over all
+CPUs, as /proc/stat's `cpu` line), not as a ratio since the previous scrape: such a ratio
+depends on who scraped last (two Prometheus replicas would each see the other's interval).
+The utilisation is a recording rule over the counters
+(`host:gpufleet_host_cpu_utilization_ratio:rate5m` in rules/gpu-fleet-recording.rules.yml).
+Modes are the kernel's, less `guest` and `guest_nice`, which /proc/stat already counts inside
+`user` and `nice` (proc(5)): the modes add up to the CPU time that passed.
+
 Sample output::
 
-    gpufleet_host_cpu_utilization_ratio 0.12
+    gpufleet_host_cpu_seconds_total{mode="user"} 123456.78
+    gpufleet_host_cpu_seconds_total{mode="idle"} 9876543.21
     gpufleet_host_load1 1.5
     gpufleet_host_memory_available_bytes 1.02e+11
     gpufleet_host_cpus 32.0
 
-Check by hand: `uptime` (load), `free -b` (memory, swap), `nproc --all` (CPUs).
+Check by hand: `head -1 /proc/stat` (CPU time in clock ticks, USER_HZ), `uptime` (load),
+`free -b` (memory, swap), `nproc --all` (CPUs).
 """
 
 from __future__ import annotations
@@ -15,24 +25,22 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 import psutil
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
 from exporter.collectors.base import CollectorError
 
 # psutil raises OSError subclasses for /proc trouble and psutil.Error for its own.
 _PSUTIL_ERRORS = (OSError, psutil.Error)
+# psutil's cpu_times() fields (Linux) exported as `mode`; guest and guest_nice are left out
+# because the kernel already counts them in user and nice.
+CPU_MODES = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
 
 
 class HostCollector:
-    """Collects CPU utilisation since the previous scrape, load averages, memory and swap."""
+    """Collects CPU time counters, load averages, memory and swap."""
 
     name = "host"
-
-    def __init__(self) -> None:
-        # cpu_percent(interval=None) measures since its previous call; the first call has
-        # nothing to compare with and returns 0.0, so prime it here.
-        psutil.cpu_percent(interval=None)
 
     def collect(self) -> Iterator[Metric]:
         """Yield the host families; a failed psutil call drops only its own series.
@@ -49,13 +57,22 @@ class HostCollector:
                 return None
             return None if value is None else GaugeMetricFamily(name, documentation, value=value)
 
-        families: list[Metric | None] = [
-            gauge(
-                "gpufleet_host_cpu_utilization_ratio",
-                "Fraction of CPU time busy since the previous scrape, over all CPUs.",
-                lambda: psutil.cpu_percent(interval=None) / 100,
+        families: list[Metric | None] = []
+        try:
+            times = psutil.cpu_times(percpu=False)
+        except _PSUTIL_ERRORS as err:
+            failed.append(f"cpu times: {err}")
+        else:
+            cpu = CounterMetricFamily(
+                "gpufleet_host_cpu_seconds",
+                "CPU time spent in each mode, summed over all CPUs (guest time is in user/nice).",
+                labels=["mode"],
             )
-        ]
+            for mode in CPU_MODES:
+                value = getattr(times, mode, None)  # a field the kernel lacks: left out
+                if isinstance(value, float):
+                    cpu.add_metric([mode], value)
+            families.append(cpu)
         try:
             load = psutil.getloadavg()
         except _PSUTIL_ERRORS as err:

@@ -5,13 +5,19 @@ Every `temp<N>_input` of every chip under `<sysfs>/class/hwmon`, except the `amd
 share a name (two `nvme`) become `nvme`, `nvme_1`… in order of their device paths, which are
 stable across boots (hwmon numbers are not). `sensor` is `temp<N>_label`, else `temp<N>`.
 
+Two channels of one chip with the same label are told apart (`foosensor`, `foosensor_temp2`;
+see exporter/sources/hwmon.py), so no scrape has two samples with one label set.
+
 The critical value is the chip's own `temp<N>_crit`; else the roster's `thermal` entry for
-`chip/sensor`; else `DEFAULT_CRITICAL_CELSIUS`; else the series is absent.
+`chip/sensor`; else `DEFAULT_CRITICAL_CELSIUS`; else the series is absent. Its `source` label
+says which (`hwmon`, `roster`, `default`): a default is our guess for a chip that reports no
+limit, not the hardware's word, and a dashboard or a person must be able to tell. The alert
+rules match on (host, instance, chip, sensor) and use all three alike.
 
 Sample output::
 
     gpufleet_host_temperature_celsius{chip="k10temp",sensor="Tctl"} 65.25
-    gpufleet_host_temperature_critical_celsius{chip="k10temp",sensor="Tctl"} 90.0
+    gpufleet_host_temperature_critical_celsius{chip="k10temp",sensor="Tctl",source="default"} 90.0
     gpufleet_host_temperature_celsius{chip="nvme_1",sensor="Composite"} 41.85
 
 Check by hand: `sensors` (lm-sensors prints the same chips, e.g. `k10temp-pci-00c3`).
@@ -51,6 +57,7 @@ class _Sensor:
     input_path: str | None
     crit: StaticValue[float]
     fallback_crit: float | None
+    fallback_source: str  # `roster` or `default`: where fallback_crit comes from
 
 
 class HwmonCollector:
@@ -88,12 +95,16 @@ class HwmonCollector:
         sensors = []
         for label, chip in chip_labels(list_chips(self._sysfs, exclude_names=EXCLUDED_CHIPS)):
             for temp in chip.temps:
+                source = "roster"
                 fallback = self._thermal.get(f"{label}/{temp.sensor}")
                 if fallback is None:
                     fallback = self._thermal.get(f"{chip.name}/{temp.sensor}")
                 if fallback is None:
+                    source = "default"
                     fallback = DEFAULT_CRITICAL_CELSIUS.get(f"{chip.name}/{temp.sensor}")
-                sensors.append(_Sensor(label, temp.sensor, temp.input_path, temp.crit, fallback))
+                sensors.append(
+                    _Sensor(label, temp.sensor, temp.input_path, temp.crit, fallback, source)
+                )
         self._sensors = tuple(sensors)
 
     def collect(self) -> Iterator[Metric]:
@@ -104,8 +115,9 @@ class HwmonCollector:
         )
         crit = GaugeMetricFamily(
             "gpufleet_host_temperature_critical_celsius",
-            "Critical temperature: the chip's own, else the roster's, else a known default.",
-            labels=["chip", "sensor"],
+            "Critical temperature: the chip's own (source hwmon), else the roster's (roster), "
+            "else a known default for the chip (default).",
+            labels=["chip", "sensor", "source"],
         )
         for s in self._sensors:
             labels = (s.chip, s.sensor)
@@ -113,11 +125,11 @@ class HwmonCollector:
             value = None if s.input_path is None else read_int(s.input_path)
             if value is not None:
                 temp.add_metric(labels, value / 1000)
-            critical = s.crit.get()
+            critical, source = s.crit.get(), "hwmon"
             if critical is None:
-                critical = s.fallback_crit
+                critical, source = s.fallback_crit, s.fallback_source
             if critical is not None:
-                crit.add_metric(labels, critical)
+                crit.add_metric((*labels, source), critical)
         yield from (family for family in (temp, crit) if family.samples)
 
     def close(self) -> None:

@@ -17,9 +17,20 @@ How it copes with a GPU falling off the bus:
 
 - Every NVML call runs on one dedicated worker thread, because a call to a dying GPU can block
   for tens of seconds inside the driver. `collect()` waits for the worker at most
-  `timeout_seconds`; devices already read are exported, the rest report `gpufleet_gpu_up 0`,
-  and `CollectorError` marks the scrape. While the worker is still stuck, no more work is
-  queued behind it: scrapes answer at once until the call returns.
+  `timeout_seconds`; devices already read are exported, and `CollectorError` marks the scrape.
+  While the worker is still stuck, no more work is queued behind it: scrapes answer at once
+  until the call returns.
+- "Not read this scrape" is kept apart from "read and failed". `gpufleet_gpu_up` is the answer
+  of a read: 1 readable, 0 lost or erroring. A GPU whose read did not finish has no `gpu_up`
+  at all (unknown is absent); instead `gpufleet_gpu_read_timeout{gpu}` is 1 for the one GPU
+  the worker is stuck in (its call did not return within the deadline, in this scrape or one
+  before), 0 for every GPU read this scrape, and absent for a GPU not reached because the
+  worker was stuck on another. A 0/1 per GPU rather than a last-read timestamp: a timestamp
+  ages alike for the stuck GPU and for the healthy ones queued behind it on the one NVML
+  thread, so "not read for 2 minutes" would again name every card; the 0/1 names the card the
+  call hangs in, which is the per-card evidence `GpuLost` (cause `hung`) needs, and its `for:`
+  gives the 2 minutes. A GPU that timed out is read last in the next scrapes, so one hung card
+  does not keep the others from being read.
 - A call raising NOT_SUPPORTED (or another error that is not about the device as a whole) drops
   that field only. GPU_IS_LOST turns the device to `gpufleet_gpu_up 0`; it keeps its `gpu`
   index and `gpufleet_gpu_info`, and the other GPUs are unaffected.
@@ -45,6 +56,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
 from exporter.collectors.base import CollectorError
+from exporter.collectors.server_memory import GpuProcesses
 from exporter.gpu_index import GpuIndex, normalize_pci_bus_id
 from exporter.sources.nvml import (
     CLOCKS_EVENT_REASONS,
@@ -182,7 +194,7 @@ class _Reading:
 
     up: bool
     samples: dict[str, list[tuple[tuple[str, ...], float]]] = field(default_factory=dict)
-    processes: dict[int, int] = field(default_factory=dict)  # pid -> GPU memory bytes
+    processes: GpuProcesses | None = None  # None: the device was not read whole
 
 
 class _Job:
@@ -193,6 +205,7 @@ class _Job:
         self.done = threading.Event()
         self.cancelled = threading.Event()
         self.failure: str | None = None
+        self.current: str | None = None  # the bus id of the device the worker is reading
         self._lock = threading.Lock()
         self._readings: dict[str, _Reading] = {}
 
@@ -214,7 +227,7 @@ class _DeviceRead:
         self.answers = 0
         self.errors = 0
         self.samples: dict[str, list[tuple[tuple[str, ...], float]]] = {}
-        self.processes: dict[int, int] = {}
+        self.processes = GpuProcesses()
 
     def add(self, family: str, labels: tuple[str, ...], value: float) -> None:
         self.samples.setdefault(family, []).append((labels, float(value)))
@@ -302,7 +315,9 @@ class NvidiaCollector:
         self._clock = clock
         # Guards what collect() reads while the worker writes: devices, Xid counts, busy job.
         self._lock = threading.Lock()
-        self._processes: dict[str, dict[int, int]] = {}  # from the last scrape, by bus id
+        self._processes: dict[str, GpuProcesses] = {}  # from the last scrape, by bus id
+        # GPUs whose read timed out lately: read last, so that they cannot starve the others.
+        self._slow: set[str] = set()
         self._devices: dict[str, _Device] = {}
         self._xids: dict[str, dict[int, int]] = {}
         self._busy: _Job | None = None
@@ -345,26 +360,38 @@ class NvidiaCollector:
             if self._closed:
                 return
             # Still inside a call from an earlier scrape: queueing behind it would only stack
-            # up stuck scrapes. Report every GPU as not readable, at once.
+            # up stuck scrapes. Answer at once: the GPU the call is stuck in timed out, the
+            # others were not read (unknown, so absent).
+            with self._lock:
+                stuck = self._busy.current if self._busy is not None else None
             message = f"NVML worker still stuck in {self._describe_call()}; no new NVML work queued"
             self._processes = {}
-            yield from self._families({})
+            yield from self._families({}, {stuck} if stuck else set())
             raise CollectorError(message)
         finished = job.done.wait(self._timeout)
+        timed_out: set[str] = set()
         if not finished:
             job.cancelled.set()  # the worker stops this job when the stuck call returns
             message = f"NVML call {self._describe_call()} did not return within {self._timeout:g} s"
+            current = job.current
+            if current is not None:
+                timed_out.add(current)
         readings = job.readings()
-        self._processes = {bus: r.processes for bus, r in readings.items() if r.up}
-        yield from self._families(readings)
+        timed_out -= set(readings)  # it returned between the deadline and now: it was read
+        with self._lock:
+            self._slow = (self._slow - set(readings)) | timed_out
+        self._processes = {
+            bus: r.processes for bus, r in readings.items() if r.up and r.processes is not None
+        }
+        yield from self._families(readings, timed_out)
         if not finished:
             raise CollectorError(message)
         if job.failure is not None:
             raise CollectorError(job.failure)
 
-    def process_memory(self) -> dict[str, dict[int, int]]:
-        """GPU memory by pid, per GPU (PCI bus id), as read by the last scrape."""
-        return {bus: dict(procs) for bus, procs in self._processes.items()}
+    def process_memory(self) -> dict[str, GpuProcesses]:
+        """GPU memory by pid, per GPU (PCI bus id) read whole by the last scrape."""
+        return dict(self._processes)
 
     def close(self) -> None:
         """Stop the worker (which frees the event set and shuts NVML down)."""
@@ -383,7 +410,7 @@ class NvidiaCollector:
 
     # -- families ------------------------------------------------------------------------------
 
-    def _families(self, readings: dict[str, _Reading]) -> Iterator[Metric]:
+    def _families(self, readings: dict[str, _Reading], timed_out: set[str]) -> Iterator[Metric]:
         with self._lock:
             devices = sorted(
                 (
@@ -398,7 +425,17 @@ class NvidiaCollector:
             "GPU identity; the value is 1.",
             labels=["gpu", "uuid", "pci_bus_id", "vendor", "model", "pci_id", "card", "vbios"],
         )
-        up = GaugeMetricFamily("gpufleet_gpu_up", "1 when the GPU could be read.", labels=["gpu"])
+        up = GaugeMetricFamily(
+            "gpufleet_gpu_up",
+            "1 when the GPU was read, 0 when read and lost or erroring; absent when not read.",
+            labels=["gpu"],
+        )
+        read_timeout = GaugeMetricFamily(
+            "gpufleet_gpu_read_timeout",
+            "1 when reading the GPU did not finish within the collector's deadline (its call "
+            "hangs), 0 when it was read this scrape; absent when it was not reached.",
+            labels=["gpu"],
+        )
         per_device: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
             name: (CounterMetricFamily if spec.counter else GaugeMetricFamily)(
                 name, spec.help, labels=["gpu", *spec.labels]
@@ -413,7 +450,7 @@ class NvidiaCollector:
         xid = CounterMetricFamily(
             "gpufleet_gpu_xid_errors", "Xid errors reported by the driver.", labels=["gpu", "xid"]
         )
-        gpus_up = 0
+        gpus_up = unread = 0
         for index, ident in devices:
             gpu = str(index)
             info.add_metric(
@@ -421,29 +458,38 @@ class NvidiaCollector:
                 1,
             )
             reading = readings.get(ident.bus_id)
-            if reading is not None and reading.up:
+            if reading is None:
+                # Not read this scrape: neither up nor down, and not lost either.
+                unread += 1
+                if ident.bus_id in timed_out:
+                    read_timeout.add_metric([gpu], 1)
+            elif reading.up:
                 gpus_up += 1
                 up.add_metric([gpu], 1)
+                read_timeout.add_metric([gpu], 0)
                 for name, samples in reading.samples.items():
                     for labels, value in samples:
                         per_device[name].add_metric([gpu, *labels], value)
             else:
                 up.add_metric([gpu], 0)
+                read_timeout.add_metric([gpu], 0)
             if self._expected_mode is not None:
                 for mode in COMPUTE_MODES:
                     expected_mode.add_metric([gpu, mode], 1 if mode == self._expected_mode else 0)
             for code, count in sorted(xids.get(ident.bus_id, {}).items()):
                 xid.add_metric([gpu, str(code)], count)
-        families: list[Metric] = [info, up]
+        families: list[Metric] = [info, up, read_timeout]
         if self._expected is not None:
             expected = GaugeMetricFamily(
                 "gpufleet_gpus_expected", "GPUs the roster expects.", labels=["vendor"]
             )
             expected.add_metric([VENDOR], self._expected)
             lost = GaugeMetricFamily(
-                "gpufleet_gpus_lost", "Expected GPUs that are missing or down.", labels=["vendor"]
+                "gpufleet_gpus_lost",
+                "Expected GPUs that are missing or down (GPUs not read this scrape excluded).",
+                labels=["vendor"],
             )
-            lost.add_metric([VENDOR], max(0, self._expected - gpus_up))
+            lost.add_metric([VENDOR], max(0, self._expected - gpus_up - unread))
             families += [expected, lost]
         families += [*per_device.values(), expected_mode, xid]
         # Only families with samples: on a host without NVIDIA GPUs this collector is silent.
@@ -696,14 +742,24 @@ class NvidiaCollector:
             self._reinit()
         if not self._initialized:
             job.failure = self._init_failure()
+            with self._lock:
+                known = list(self._devices)
+            for bus_id in known:  # NVML answered, with an error: read and failed
+                job.record(bus_id, _Reading(up=False))
             return
         self._drain_xids()
         with self._lock:
-            devices = sorted(self._devices.values(), key=lambda d: d.bus_id)
+            slow = set(self._slow)
+            devices = sorted(self._devices.values(), key=lambda d: (d.bus_id in slow, d.bus_id))
         for device in devices:
             if job.cancelled.is_set():
                 return  # the deadline passed during an earlier call: nobody reads the rest
-            job.record(device.bus_id, self._read_device(device))
+            with self._lock:
+                job.current = device.bus_id
+            reading = self._read_device(device)
+            job.record(device.bus_id, reading)
+            with self._lock:
+                job.current = None
 
     def _init_failure(self) -> str | None:
         err = self._init_error
@@ -806,18 +862,38 @@ class NvidiaCollector:
         """Which pids hold how much memory on the GPU, for `gpufleet_server_gpu_memory_bytes`.
 
         On an MPS host (EXCLUSIVE_PROCESS + nvidia-cuda-mps-control) the compute list holds the
-        MPS server and the clients appear only in the MPS list, so both are read.
+        MPS server and the clients appear only in the MPS list, so both are read. A list NVML
+        cannot give (NO_PERMISSION, NOT_SUPPORTED, ...) makes the GPU's process list
+        incomplete, and a process listed without `usedGpuMemory` (pynvml's None for
+        NVML_VALUE_NOT_AVAILABLE: MIG, vGPU, WDDM) has an unknown amount: either way the
+        memory collector must not read the gaps as 0. One exception: the MPS list answering
+        NOT_SUPPORTED, which NVML does on every GPU older than Volta ("For Volta or newer
+        fully supported devices", nvml.h), where MPS clients are never listed and only the
+        MPS server shows, in the compute list.
         """
         nvml, h = self._nvml, r.device.handle
-        for fn in (
-            nvml.nvmlDeviceGetComputeRunningProcesses,
-            nvml.nvmlDeviceGetMPSComputeRunningProcesses,
+        for fn, optional in (
+            (nvml.nvmlDeviceGetComputeRunningProcesses, False),
+            (nvml.nvmlDeviceGetMPSComputeRunningProcesses, True),
         ):
-            for proc in r.get(fn, h) or ():
+            call = getattr(fn, "__name__", "nvml")
+            try:
+                listed = self._call(r.device.bus_id, fn, h)
+            except pynvml.NVMLError as err:
+                r.failed(call, err)  # raises for the device as a whole
+                if not (optional and is_not_supported(err)):
+                    r.processes.incomplete = f"{call}: {err}"
+                continue
+            r.answers += 1
+            for proc in listed or ():
                 used = getattr(proc, "usedGpuMemory", None)
                 pid = getattr(proc, "pid", None)
-                if isinstance(pid, int) and isinstance(used, int):
-                    r.processes[pid] = max(used, r.processes.get(pid, 0))
+                if not isinstance(pid, int):
+                    continue
+                if isinstance(used, int):
+                    r.processes.used[pid] = max(used, r.processes.used.get(pid, 0))
+                else:
+                    r.processes.unknown.add(pid)
 
     def _read_memory(self, r: _DeviceRead) -> None:
         nvml, h, device = self._nvml, r.device.handle, r.device

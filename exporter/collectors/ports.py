@@ -10,8 +10,15 @@ Sample output (alpha clean; beta's port held by a stale llama-server while the u
 
     gpufleet_port_ghost{port="31001",server="alpha"} 0.0
     gpufleet_port_ghost{port="31002",server="beta"} 1.0
-    gpufleet_port_listener_info{comm="llama-server",pid="4242",port="31001"} 1.0
-    gpufleet_port_listener_info{comm="llama-server",pid="25836",port="31002"} 1.0
+    gpufleet_port_listener_info{comm="llama-server",port="31001"} 1.0
+    gpufleet_port_listener_info{comm="llama-server",port="31002"} 1.0
+    gpufleet_port_listener_pid{comm="llama-server",port="31001"} 4242.0
+    gpufleet_port_listener_pid{comm="llama-server",port="31002"} 25836.0
+
+The pid is a value, not a label: a crash-looping unit restarts with a new pid every few
+seconds, and a `pid` label would make a new series each time (each kept by Prometheus for its
+retention). Several processes of one name on one port (a forked listener, SO_REUSEPORT) are
+one series; its pid is the lowest of them.
 
 A server's port is its URL's (80/443 when the URL has none), and every listener on that port
 counts, whatever its address: a socket on 127.0.0.1:P blocks a later bind of 0.0.0.0:P too.
@@ -93,7 +100,7 @@ class _Check:
 
 
 class PortsCollector:
-    """`gpufleet_port_ghost{server,port}` and `gpufleet_port_listener_info{port,pid,comm}`."""
+    """`gpufleet_port_ghost{server,port}`, `gpufleet_port_listener_info{port,comm}` and `_pid`."""
 
     name = "ports"
 
@@ -135,23 +142,31 @@ class PortsCollector:
         )
         info = GaugeMetricFamily(
             "gpufleet_port_listener_info",
-            "A process listening on a roster server's port.",
-            labels=["port", "pid", "comm"],
+            "1 for each process name listening on a roster server's port.",
+            labels=["port", "comm"],
+        )
+        pid_of = GaugeMetricFamily(
+            "gpufleet_port_listener_pid",
+            "The pid of a process listening on a roster server's port (the lowest, when "
+            "several of that name hold it).",
+            labels=["port", "comm"],
         )
         try:
             check = self._check()
         except ProcNetError as exc:
-            yield ghost
-            yield info
+            yield from (ghost, info, pid_of)
             raise CollectorError(f"cannot read the listening sockets: {exc}") from None
         for server, is_ghost in check.ghosts.items():
             ghost.add_metric([server, str(self._ports[server])], 1.0 if is_ghost else 0.0)
+        lowest: dict[tuple[str, str], int] = {}
         for port, pid in sorted(check.listeners):
             comm = read_comm(pid, procfs=self._procfs)
             if comm is not None:  # None: it exited since the scan
-                info.add_metric([str(port), str(pid), comm], 1.0)
-        yield ghost
-        yield info
+                lowest.setdefault((str(port), comm), pid)  # sorted: the first is the lowest
+        for (port_text, comm), pid in sorted(lowest.items()):
+            info.add_metric([port_text, comm], 1.0)
+            pid_of.add_metric([port_text, comm], float(pid))
+        yield from (ghost, info, pid_of)
         if check.problems:
             raise CollectorError("; ".join(check.problems))
 

@@ -51,32 +51,53 @@ def parse_fdinfo(text: str) -> tuple[str, str, int] | None:
     return None
 
 
+Clients = dict[tuple[str, str], int]
+"""VRAM bytes by (PCI bus id, DRM client id) of the amdgpu files one process has open."""
+
+
+def process_clients(pid: int, *, procfs: str = "/proc") -> Clients | None:
+    """The amdgpu DRM clients process `pid` has open, with their VRAM; None when hidden.
+
+    None means the process's fds may not be read (EACCES/EPERM: another user's process without
+    the privilege, or hidepid=): its memory is unknown. A process that is gone, or opens no
+    amdgpu file, gives `{}`. A client without `drm-client-id` (kernels before 5.19) is keyed
+    by its fd, so it is counted once for this process but never matched with another's.
+    """
+    fd_dir = os.path.join(procfs, str(pid), "fd")
+    try:
+        fds = os.listdir(fd_dir)
+    except PermissionError:
+        return None
+    except OSError:  # gone since the listing
+        return {}
+    clients: Clients = {}
+    for fd in fds:
+        try:
+            # Only DRM files have drm- keys; a readlink is cheaper than reading fdinfo.
+            if not os.readlink(os.path.join(fd_dir, fd)).startswith("/dev/dri/"):
+                continue
+            with open(os.path.join(procfs, str(pid), "fdinfo", fd), encoding="ascii") as f:
+                parsed = parse_fdinfo(f.read())
+        except (OSError, UnicodeDecodeError):
+            continue
+        if parsed is None:
+            continue
+        pdev, client, vram = parsed
+        clients.setdefault((pdev, client or f"fd:{pid}:{fd}"), vram)
+    return clients
+
+
 def scan(pids: Iterable[int], *, procfs: str = "/proc") -> DrmScan:
     """Sum each pid's VRAM per GPU, counting every DRM client once."""
     result = DrmScan()
     seen_clients: set[tuple[str, str]] = set()
     for pid in sorted(pids):  # sorted: a client shared after fork() goes to the parent
-        fd_dir = os.path.join(procfs, str(pid), "fd")
-        try:
-            fds = os.listdir(fd_dir)
-        except PermissionError:
+        clients = process_clients(pid, procfs=procfs)
+        if clients is None:
             result.hidden_pids.append(pid)
             continue
-        except OSError:  # gone since the listing
-            continue
-        for fd in fds:
-            try:
-                # Only DRM files have drm- keys; a readlink is cheaper than reading fdinfo.
-                if not os.readlink(os.path.join(fd_dir, fd)).startswith("/dev/dri/"):
-                    continue
-                with open(os.path.join(procfs, str(pid), "fdinfo", fd), encoding="ascii") as f:
-                    parsed = parse_fdinfo(f.read())
-            except (OSError, UnicodeDecodeError):
-                continue
-            if parsed is None:
-                continue
-            pdev, client, vram = parsed
-            if client and (pdev, client) in seen_clients:
+        for (pdev, client), vram in clients.items():
+            if (pdev, client) in seen_clients:
                 continue
             seen_clients.add((pdev, client))
             key = (pid, pdev)

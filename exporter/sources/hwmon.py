@@ -7,6 +7,15 @@ Documentation/hwmon/sysfs-interface.rst: `name` is the chip's name; `temp<N>_inp
 optional free-form label ("edge", "Tctl", "Composite"), and without one lm-sensors calls the
 sensor `temp<N>`, as we do.
 
+Series are unique by construction. A driver may give two channels one label (node_exporter's
+captured `hwmon4` has `temp1_label` and `temp2_label` both `foosensor`), and two samples with
+one label set are a broken exposition (Prometheus keeps one of them, silently). So within a
+chip the lowest-numbered channel keeps the label and each later namesake is called
+`<label>_temp<N>` (`foosensor`, `foosensor_temp2`): a label that is unique, as nearly all are,
+keeps its meaning for the rules, dashboards and the roster's `thermal: {chip/sensor: ...}`
+keys, and which channel is which can be read off the name. Chips that share a name are
+numbered the same way by `chip_labels`.
+
 Discovery lists each chip's directory once; what a scrape reads is precomputed paths.
 """
 
@@ -86,7 +95,10 @@ def read_chip(path: str) -> HwmonChip | None:
         return None
     name = read_text(os.path.join(path, "name")) or read_text(os.path.join(path, "device", "name"))
     if name is None:
-        return None
+        # sysfs-interface.rst makes `name` mandatory, yet captures exist without it
+        # (node_exporter's `hwmon4`). Its directory name is the only handle there is: not
+        # stable across boots, but its temperatures are better seen than dropped.
+        name = os.path.basename(os.path.normpath(path))
     device_link = os.path.join(path, "device")
     # hwmon numbers follow probe order and change across boots; the parent device's path
     # (PCI address, platform device) does not, so it orders chips that share a name.
@@ -101,20 +113,34 @@ def read_chip(path: str) -> HwmonChip | None:
         {n for suffix in _TEMP_VALUES for n in _channel_numbers(files, "temp", suffix)}
     )
     temps = []
+    taken: set[str] = set()
     for number in numbers:
         channel = f"temp{number}"
         label_path = path_or_none(f"{channel}_label")
         label = read_text(label_path) if label_path is not None else None
+        sensor = unique_name(label or channel, channel, taken)
+        taken.add(sensor)
         temps.append(
             TempSensor(
                 number=number,
-                sensor=label or channel,
+                sensor=sensor,
                 input_path=path_or_none(f"{channel}_input"),
                 crit=StaticValue(path_or_none(f"{channel}_crit"), read_millicelsius),
                 emergency=StaticValue(path_or_none(f"{channel}_emergency"), read_millicelsius),
             )
         )
     return HwmonChip(path=path, name=name, device_path=device_path, files=files, temps=tuple(temps))
+
+
+def unique_name(name: str, qualifier: str, taken: Collection[str]) -> str:
+    """`name`, or `name_<qualifier>` (then `name_<qualifier>_2`...) when `name` is taken."""
+    if name not in taken:
+        return name
+    candidate, count = f"{name}_{qualifier}", 1
+    while candidate in taken:
+        count += 1
+        candidate = f"{name}_{qualifier}_{count}"
+    return candidate
 
 
 def list_chips(sysfs: str, *, exclude_names: Collection[str] = ()) -> list[HwmonChip]:
@@ -141,9 +167,14 @@ def chip_labels(chips: Iterable[HwmonChip]) -> list[tuple[str, HwmonChip]]:
     `chips` must already be in a stable order (`list_chips` orders by device path).
     """
     seen: dict[str, int] = {}
+    taken: set[str] = set()
     labelled = []
     for chip in chips:
         count = seen.get(chip.name, 0)
         seen[chip.name] = count + 1
-        labelled.append((chip.name if count == 0 else f"{chip.name}_{count}", chip))
+        label = chip.name if count == 0 else f"{chip.name}_{count}"
+        # A chip really named `nvme_1` beside two `nvme`: still one label per chip.
+        label = unique_name(label, "chip", taken)
+        taken.add(label)
+        labelled.append((label, chip))
     return labelled

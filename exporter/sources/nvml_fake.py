@@ -47,6 +47,7 @@ Scenario format (`tests/fixtures/nvml/*.yaml`, `examples/nvml-fake/*.yaml`)::
         processes: [{pid: 4242, used_bytes: 21474836480}]   # compute processes (default none)
         mps_processes: [{pid: 4343, used_bytes: 1073741824}] # MPS clients (default none)
         not_supported: [fan_speed_percent]   # these keys raise NOT_SUPPORTED
+        no_permission: [processes]    # these keys raise NO_PERMISSION (a caller without root)
         lost_after_calls: 40          # GPU_IS_LOST after 40 device calls; gone after re-init
         hang: {call: nvmlDeviceGetPowerUsage, seconds: 3, times: 1}
 
@@ -206,6 +207,7 @@ _CONTROL_KEYS = frozenset(
         "pci_device_id",
         "pci_subsystem_id",
         "not_supported",
+        "no_permission",
         "lost_after_calls",
         "hang",
         "power_limit_read_only",
@@ -251,6 +253,7 @@ class GpuScenario(_Strict):
     processes: list[ProcessScenario] = Field(default_factory=list)
     mps_processes: list[ProcessScenario] = Field(default_factory=list)
     not_supported: list[str] = Field(default_factory=list)
+    no_permission: list[str] = Field(default_factory=list)
     lost_after_calls: int | None = Field(default=None, ge=0)
     hang: HangScenario | None = None
     power_limit_read_only: bool = False
@@ -278,9 +281,10 @@ class GpuScenario(_Strict):
     @model_validator(mode="after")
     def _not_supported_names_data(self) -> GpuScenario:
         data_keys = set(type(self).model_fields) - _CONTROL_KEYS
-        unknown = sorted(set(self.not_supported) - data_keys)
-        if unknown:
-            raise ValueError(f"not_supported: unknown keys {unknown}")
+        for key in ("not_supported", "no_permission"):
+            unknown = sorted(set(getattr(self, key)) - data_keys)
+            if unknown:
+                raise ValueError(f"{key}: unknown keys {unknown}")
         return self
 
 
@@ -340,12 +344,16 @@ def _fail(code: int) -> pynvml.NVMLError:
 
 
 def _supported(gpu: GpuScenario, key: str, value: T | None) -> T:
+    if key in gpu.no_permission:
+        raise _fail(pynvml.NVML_ERROR_NO_PERMISSION)
     if value is None or key in gpu.not_supported:
         raise _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
     return value
 
 
 def _processes(gpu: GpuScenario, key: str, entries: list[ProcessScenario]) -> list[Any]:
+    if key in gpu.no_permission:
+        raise _fail(pynvml.NVML_ERROR_NO_PERMISSION)
     if key in gpu.not_supported:
         raise _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
     # pynvml hands back nvmlFriendlyObject instances (attributes, not ctypes fields) and

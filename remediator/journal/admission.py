@@ -46,6 +46,21 @@ from remediator.journal.schema import alerts, notifications, runs
 
 log = logging.getLogger(__name__)
 
+# The statements every notification runs, built once: SQLAlchemy then only binds values
+# (building and caching a statement per call cost more than SQLite's own work, bench/webhook.py).
+_ADD_NOTIFICATION = sa.insert(notifications).returning(notifications.c.id)
+_OPEN_OCCURRENCE = (
+    sa.select(alerts.c.id, alerts.c.starts_at)
+    .where(alerts.c.fingerprint == sa.bindparam("b_fingerprint"), alerts.c.status == "firing")
+    # FOR UPDATE: a concurrent resolution or takeover of this occurrence waits for us.
+    .with_for_update()
+)
+_TOUCH = (
+    sa.update(alerts)
+    .where(alerts.c.id == sa.bindparam("b_id"))
+    .values(last_seen=sa.bindparam("b_now", type_=alerts.c.last_seen.type))
+)
+
 DEFAULT_DEDUPE_WINDOW = timedelta(minutes=10)
 RESOLVED_BEFORE_ACTING = "the alert resolved before the run could act; nothing was done"
 
@@ -70,16 +85,15 @@ class Admissions(Runs):
             now = self._clock()
             notification_id = int(
                 conn.execute(
-                    sa.insert(notifications)
-                    .values(
-                        received_at=now,
-                        group_key=clean(notification.groupKey),
-                        receiver=clean(notification.receiver),
-                        raw=raw_text,
-                        replica=self.replica_id,
-                        ingested_at=now,
-                    )
-                    .returning(notifications.c.id)
+                    _ADD_NOTIFICATION,
+                    {
+                        "received_at": now,
+                        "group_key": clean(notification.groupKey),
+                        "receiver": clean(notification.receiver),
+                        "raw": raw_text,
+                        "replica": self.replica_id,
+                        "ingested_at": now,
+                    },
                 ).scalar_one()
             )
             new_runs: list[int] = []
@@ -87,7 +101,7 @@ class Admissions(Runs):
             duplicates = resolved = 0
             for alert in sorted(notification.alerts, key=lambda a: (a.fingerprint, a.startsAt)):
                 if alert.status == "firing":
-                    run_id = self._admit_firing(conn, alert, notification_id, now)
+                    run_id = self._admit_firing(conn, alert, notification_id, now, closed)
                     if run_id is None:
                         duplicates += 1
                     else:
@@ -139,19 +153,23 @@ class Admissions(Runs):
     # -- one alert ---------------------------------------------------------------------------
 
     def _open_occurrence(self, conn: Connection, fingerprint: str) -> Any:
-        query = sa.select(alerts.c.id, alerts.c.starts_at).where(
-            alerts.c.fingerprint == fingerprint, alerts.c.status == "firing"
-        )
-        # FOR UPDATE: a concurrent resolution or takeover of this occurrence waits for us.
-        return conn.execute(query.with_for_update()).first()
+        return conn.execute(_OPEN_OCCURRENCE, {"b_fingerprint": fingerprint}).first()
 
     def _touch(self, conn: Connection, alert_id: int, now: datetime) -> None:
-        conn.execute(sa.update(alerts).where(alerts.c.id == alert_id).values(last_seen=now))
+        conn.execute(_TOUCH, {"b_id": alert_id, "b_now": now})
 
     def _admit_firing(
-        self, conn: Connection, alert: Alert, notification_id: int, now: datetime
+        self,
+        conn: Connection,
+        alert: Alert,
+        notification_id: int,
+        now: datetime,
+        closed: list[int],
     ) -> int | None:
-        """The new run's id, or None for a copy of an occurrence already known."""
+        """The new run's id, or None for a copy of an occurrence already known.
+
+        Runs of an older occurrence that this one closes are added to `closed`.
+        """
         fingerprint = clean(alert.fingerprint)
         starts = alert.startsAt
         window = self.dedupe_window
@@ -163,7 +181,7 @@ class Admissions(Runs):
                     return None
                 # Started well after the open one: that one ended without its resolution
                 # reaching us. It is closed, with its runs that have not started.
-                self._close(conn, current.id, ended=starts, now=now, reason=(
+                closed += self._close(conn, current.id, ended=starts, now=now, reason=(
                     "a later occurrence of the same alert arrived; this one had ended"
                 ))  # fmt: skip
             else:

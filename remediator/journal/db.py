@@ -124,6 +124,11 @@ class Database:
         self._clock = clock
         # Only for an in-memory SQLite database, where every thread shares one connection.
         self._serial: threading.Lock | None = None
+        # SQLite has one writer at a time anyway; this process's writers queue on a lock of
+        # its own instead of SQLite's busy handler, which polls with sleeps of up to 100 ms
+        # and turned a burst of concurrent webhooks into a long tail (bench/webhook.py).
+        # Writers of other processes (a `replay`, a second replica) still meet busy_timeout.
+        self._writer: threading.Lock | None = None
         try:
             parsed = make_url(url)
         except (sa.exc.ArgumentError, ValueError):
@@ -186,6 +191,8 @@ class Database:
                     f"{exc.strerror or exc}"
                 ) from None
         engine = sa.create_engine(url, **options)
+        if not memory:
+            self._writer = threading.Lock()
 
         @sa_event.listens_for(engine, "connect")
         def _on_connect(dbapi_connection: Any, connection_record: Any) -> None:
@@ -261,7 +268,11 @@ class Database:
 
     def _tx(self, what: str, body: Callable[[Connection], T], *, write: bool = True) -> T:
         """Run `body` in one transaction (retried on a deadlock); errors -> JournalError."""
-        serial = self._serial if self._serial is not None else contextlib.nullcontext()
+        serial: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+        if self._serial is not None:
+            serial = self._serial
+        elif write and self._writer is not None:
+            serial = self._writer
         for attempt in range(1, ATTEMPTS + 1):
             try:
                 with serial, self._engine.connect() as conn:

@@ -161,8 +161,8 @@ class Rails(Runs):
                 return verdict
             if verdict.decision == "breaker_open":
                 rendered = reports(verdict) if reports is not None else ()
-                self._end(conn, run_id, ("claimed",), {**named, "decision": "breaker_open",
-                          "reason": verdict.reason}, rendered, what=f"refuse run {run_id}")  # fmt: skip
+                values = {**named, "decision": "breaker_open", "reason": verdict.reason}
+                self._end(conn, run_id, ("claimed",), values, rendered, what=f"refuse run {run_id}")
                 return verdict
             since = row.waiting_since or now
             max_wait = timedelta(seconds=self.limits.max_wait_seconds)
@@ -172,8 +172,8 @@ class Rails(Runs):
                     "expired", f"waited {waited} s without a chance to act; last: {verdict.reason}"
                 )
                 rendered = reports(verdict) if reports is not None else ()
-                self._end(conn, run_id, ("claimed",), {**named, "decision": "expired",
-                          "reason": verdict.reason}, rendered, what=f"expire run {run_id}")  # fmt: skip
+                values = {**named, "decision": "expired", "reason": verdict.reason}
+                self._end(conn, run_id, ("claimed",), values, rendered, what=f"expire run {run_id}")
                 return verdict
             assert verdict.not_before is not None
             not_before = min(verdict.not_before, since + max_wait)
@@ -223,9 +223,11 @@ class Rails(Runs):
             if stopped is not None:
                 return stopped
             hour_ago = now - timedelta(hours=1)
+            # Strictly within the hour: a run that started exactly an hour ago has left it,
+            # so the run told to wait until then (oldest + 1 h) is free when it is due.
             started = conn.execute(
                 sa.select(sa.func.count(), sa.func.min(runs.c.started_at)).where(
-                    runs.c.disruptive.is_(True), runs.c.started_at >= hour_ago
+                    runs.c.disruptive.is_(True), runs.c.started_at > hour_ago
                 )
             ).one()
             if started[0] >= self.limits.max_runs_per_hour:

@@ -2,12 +2,16 @@
 
     gpu-fleet-exporter [--config FILE] [--host NAME] [--web.listen-address ADDR]
                        [--web.config.file FILE] [--sysfs DIR] [--procfs DIR] [--once]
-                       [--nvml.fake-scenario FILE]
+                       [--check-config] [--nvml.fake-scenario FILE]
 
 With no roster at the default path (and no `--config`), it detects the hardware and watches no
 servers. A roster that is given but unusable, or a host that cannot be determined, stops the
 start with exit status 2 and a message naming the file and key; so does a web config file
 (`--web.config.file`: TLS and basic auth, see `exporter.webconfig`) with one line per problem.
+
+`--check-config` runs those checks and nothing else: it reads the files (the roster, the web
+config and the TLS files it names) and exits 0 or 2, without starting NVML, reading a device
+or sending a packet to any server the roster lists.
 """
 
 from __future__ import annotations
@@ -65,6 +69,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--procfs", default="/proc", help="procfs mount point (default /proc)")
     p.add_argument("--once", action="store_true", help="print one scrape to stdout and exit 0")
     p.add_argument(
+        "--check-config",
+        dest="check_config",
+        action="store_true",
+        help="check the roster (and this host in it) and the web config, then exit 0 (good) or "
+        "2; contacts nothing: no NVML, no device, no model server",
+    )
+    p.add_argument(
         "--nvml.fake-scenario",
         dest="nvml_fake_scenario",
         type=Path,
@@ -121,7 +132,6 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     web_config = None
     if args.web_config_file is not None:
-        # Checked with --once too, so `--once` doubles as a check of the file.
         try:
             web_config = load_web_config(args.web_config_file)
         except WebConfigError as exc:
@@ -135,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     except RosterError as exc:
         print(f"gpu-fleet-exporter: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    if args.check_config:
+        print(_checked(args.config, host, args.web_config_file, web_config))
+        return 0
     settings = ExporterSettings(
         host=host,
         sysfs=args.sysfs,
@@ -151,6 +164,27 @@ def main(argv: list[str] | None = None) -> int:
         return _serve(registry, listen, web_config)
     finally:
         fleet.close()
+
+
+def _checked(
+    config: Path | None, host: Host | None, web_file: Path | None, web: WebConfig | None
+) -> str:
+    """The one line `--check-config` prints for good files."""
+    if host is None:
+        roster = f"no roster at {DEFAULT_ROSTER_PATH}: the hardware found, no servers"
+    else:
+        vendors = [
+            f"{count.count} {name}"
+            for name, count in (("nvidia", host.gpus.nvidia), ("amd", host.gpus.amd))
+            if count is not None
+        ]
+        gpus = ", ".join(vendors) or "none named"
+        roster = (
+            f"roster {config or DEFAULT_ROSTER_PATH}: good; this host: {len(host.servers)} "
+            f"server(s), GPUs {gpus}"
+        )
+    web_text = f"; web config {web_file}: good ({web.describe()})" if web is not None else ""
+    return f"gpu-fleet-exporter: {roster}{web_text}"
 
 
 def _serve(

@@ -32,7 +32,7 @@ from exporter.collectors.selfstats import CollectorOutcome, self_metrics
 from exporter.collectors.server_memory import ServerMemoryCollector
 from exporter.collectors.units import UnitsCollector
 from exporter.collectors.vllm import VllmCollector
-from exporter.gpu_index import GpuIndex
+from exporter.gpu_index import GpuIndex, number_host_gpus
 from exporter.roster import Host
 from exporter.sources.nvml import load_backend
 from exporter.sources.systemd import UnitsReader
@@ -172,8 +172,14 @@ def build_collectors(settings: ExporterSettings) -> list[SourceCollector]:
         timeout_seconds=settings.collector_timeout_seconds,
     )
     gpu_collectors: list[GpuCollector] = [nvidia, amd]
-    # All vendors' GPUs at once, so indices follow PCI bus order across vendors.
-    gpu_index.register(bus_id for c in gpu_collectors for bus_id in c.pci_bus_ids())
+    # The host's numbering, as gpu-fleet-node makes it: PCI sysfs and the roster's bus ids,
+    # so an NVML slower than its deadline at start (or blind to a card) moves no index.
+    number_host_gpus(
+        gpu_index,
+        sysfs=settings.sysfs,
+        expected=host.gpus.expected_pci_bus_ids() if host is not None else (),
+        found=[bus_id for c in gpu_collectors for bus_id in c.pci_bus_ids()],
+    )
     collectors: list[SourceCollector] = [
         nvidia,
         amd,

@@ -30,6 +30,7 @@ from pydantic import (
     model_validator,
 )
 
+from exporter.gpu_index import normalize_pci_bus_id
 from exporter.yamlfile import load_strict
 
 DEFAULT_ROSTER_PATH = Path("/etc/gpu-fleet/fleet.yaml")
@@ -45,6 +46,11 @@ _LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
 _HOSTNAME = re.compile(rf"^(?=.{{1,253}}$){_LABEL}(\.{_LABEL})*$")
 
 Name = Annotated[str, Field(pattern=_NAME)]
+# YAML 1.1 (PyYAML) reads an unquoted `0000:41:00.0` as a base-60 number (2460.0).
+_UNQUOTED_BUS_ID = (
+    "{!r} is a number: quote PCI bus ids ('0000:41:00.0'), which YAML otherwise reads as "
+    "base-60 numbers"
+)
 ComputeMode = Literal["default", "exclusive_thread", "prohibited", "exclusive_process"]
 
 
@@ -64,10 +70,50 @@ class SshSettings(_Strict):
 
 
 class VendorGpus(_Strict):
-    """What a host must have of one vendor's GPUs."""
+    """What a host must have of one vendor's GPUs.
+
+    `pci_bus_ids` (optional) lists the cards by PCI bus id (`0000:41:00.0`, as `lspci -D`
+    prints it): a listed card keeps its place in the `gpu` numbering even while it is missing,
+    so the other cards' indices do not move when one fails to come up at boot.
+    """
 
     count: int = Field(ge=0)
     compute_mode: ComputeMode | None = None
+    pci_bus_ids: tuple[str, ...] | None = None
+
+    @field_validator("pci_bus_ids", mode="before")
+    @classmethod
+    def _quoted(cls, value: object) -> object:
+        if isinstance(value, list | tuple):
+            for position, item in enumerate(value):
+                if isinstance(item, float):
+                    raise ValueError(f"item {position}: " + _UNQUOTED_BUS_ID.format(item))
+        return value
+
+    @field_validator("pci_bus_ids")
+    @classmethod
+    def _bus_ids(cls, value: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        if value is None:
+            return None
+        normal = []
+        for position, raw in enumerate(value):
+            try:
+                normal.append(normalize_pci_bus_id(raw))
+            except ValueError:
+                raise ValueError(
+                    f"item {position}: {raw!r} is not a PCI bus id (e.g. '0000:41:00.0')"
+                ) from None
+        if len(set(normal)) != len(normal):
+            raise ValueError("a PCI bus id is listed twice")
+        return tuple(normal)
+
+    @model_validator(mode="after")
+    def _count_matches(self) -> VendorGpus:
+        if self.pci_bus_ids is not None and len(self.pci_bus_ids) != self.count:
+            raise ValueError(
+                f"pci_bus_ids: lists {len(self.pci_bus_ids)} GPU(s), count says {self.count}"
+            )
+        return self
 
 
 class HostGpus(_Strict):
@@ -82,6 +128,24 @@ class HostGpus(_Strict):
         if self.amd is not None and self.amd.compute_mode is not None:
             raise ValueError("amd.compute_mode: compute modes exist only for NVIDIA GPUs")
         return self
+
+    @model_validator(mode="after")
+    def _bus_ids_distinct(self) -> HostGpus:
+        nvidia = set(self.nvidia.pci_bus_ids or ()) if self.nvidia else set()
+        amd = set(self.amd.pci_bus_ids or ()) if self.amd else set()
+        if nvidia & amd:
+            raise ValueError(f"{', '.join(sorted(nvidia & amd))}: listed for nvidia and amd")
+        return self
+
+    def expected_pci_bus_ids(self) -> list[str]:
+        """The PCI bus ids the roster lists, every vendor's, sorted."""
+        vendors = [v for v in (self.nvidia, self.amd) if v is not None]
+        return sorted(bus for v in vendors for bus in v.pci_bus_ids or ())
+
+    def lists_every_bus_id(self) -> bool:
+        """Whether every vendor the roster names lists its cards' bus ids (at least one does)."""
+        vendors = [v for v in (self.nvidia, self.amd) if v is not None]
+        return bool(vendors) and all(v.pci_bus_ids is not None for v in vendors)
 
 
 class PowerBounds(_Strict):
@@ -193,7 +257,8 @@ class Host(_Strict):
     ssh: SshSettings | None = None
     local: bool = False
     gpus: HostGpus = HostGpus()
-    power_cap_watts: dict[int, PowerBounds] = {}
+    # Keyed by `gpu` index or by PCI bus id (the card itself, whatever its index).
+    power_cap_watts: dict[int | str, PowerBounds] = {}
     thermal: dict[str, ThermalLimit] = {}
     servers: dict[Name, Server] = {}
 
@@ -207,12 +272,46 @@ class Host(_Strict):
                 raise ValueError("must be an IP address or a hostname") from None
         return value
 
-    @field_validator("power_cap_watts")
+    @field_validator("power_cap_watts", mode="before")
     @classmethod
-    def _gpu_indices(cls, value: dict[int, PowerBounds]) -> dict[int, PowerBounds]:
-        if any(index < 0 for index in value):
-            raise ValueError("keys are `gpu` indices and must be >= 0")
-        return value
+    def _gpu_keys(cls, value: object) -> object:
+        # YAML gives `0:` as an int and `0000:41:00.0:` (quoted or not) as a string; a key is a
+        # `gpu` index or a PCI bus id, normalised so that `41:00.0` and `0000:41:00.0` are one.
+        if not isinstance(value, Mapping):
+            return value
+        keys: dict[int | str, object] = {}
+        for key, bounds in value.items():
+            if isinstance(key, float):
+                raise ValueError(_UNQUOTED_BUS_ID.format(key))
+            text = str(key).strip()
+            normal: int | str
+            if isinstance(key, int) or text.isdigit():
+                normal = int(text)
+                if normal < 0:
+                    raise ValueError(f"key {key!r}: `gpu` indices are >= 0")
+            else:
+                try:
+                    normal = normalize_pci_bus_id(text)
+                except ValueError:
+                    raise ValueError(
+                        f"key {key!r} is neither a `gpu` index (0, 1, ...) nor a PCI bus id "
+                        "('0000:41:00.0')"
+                    ) from None
+            if normal in keys:
+                raise ValueError(f"key {key!r}: GPU {normal} is given twice")
+            keys[normal] = bounds
+        return keys
+
+    def power_bounds(self, index: int, pci_bus_id: str | None) -> PowerBounds | None:
+        """The roster's power-cap bounds for this GPU: by its bus id, else by its index.
+
+        A bus-id key names the card itself, so it wins over an index key for the same GPU.
+        """
+        if pci_bus_id is not None:
+            bounds = self.power_cap_watts.get(normalize_pci_bus_id(pci_bus_id))
+            if bounds is not None:
+                return bounds
+        return self.power_cap_watts.get(index)
 
     @field_validator("thermal")
     @classmethod
@@ -236,10 +335,16 @@ class Host(_Strict):
                 raise ValueError(
                     f"servers.{name}.gpu: {server.gpu} is not among the host's {total} GPU(s)"
                 )
-        for index in self.power_cap_watts:
-            if index >= total:
+        listed = self.gpus.expected_pci_bus_ids() if self.gpus.lists_every_bus_id() else None
+        for key in self.power_cap_watts:
+            if isinstance(key, int) and key >= total:
                 raise ValueError(
-                    f"power_cap_watts.{index}: the host has {total} GPU(s), numbered from 0"
+                    f"power_cap_watts.{key}: the host has {total} GPU(s), numbered from 0"
+                )
+            if isinstance(key, str) and listed is not None and key not in listed:
+                raise ValueError(
+                    f"power_cap_watts.{key}: not among the host's listed PCI bus ids "
+                    f"({', '.join(listed)})"
                 )
         return self
 

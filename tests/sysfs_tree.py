@@ -293,6 +293,8 @@ def _write_pci_device(
     )
     driver_dir = root / "bus" / "pci" / "drivers" / driver
     driver_dir.mkdir(parents=True, exist_ok=True)
+    # Every PCI device is listed in bus/pci/devices, bound to a driver or not.
+    _symlink(root / "bus" / "pci" / "devices" / pci_slot, device_dir)
     if link:
         _symlink(device_dir / "driver", driver_dir)
         _symlink(driver_dir / pci_slot, device_dir)
@@ -393,6 +395,18 @@ def write_other_drm_card(root: Path, card: int, pci_slot: str, driver: str) -> P
     return device_dir
 
 
+def write_nvidia_gpu(root: Path, pci_slot: str) -> Path:
+    """An NVIDIA datacenter GPU as PCI sysfs shows it (3D controller, class 0x030200, bound to
+    `nvidia`, no DRM card without nvidia-drm); returns its PCI device dir. Its readings come
+    from the fake NVML."""
+    root = root.resolve()  # symlinks are computed from absolute paths
+    device_dir = _write_pci_device(
+        root, pci_slot, (), driver="nvidia", pci_id="10de:2335", link=True
+    )
+    set_value(device_dir / "class", "0x030200")
+    return device_dir
+
+
 def write_hwmon_chip(root: Path, spec: HwmonChipSpec) -> Path:
     """Write a host hwmon chip; returns its hwmon directory."""
     root = root.resolve()  # symlinks are computed from absolute paths
@@ -418,6 +432,7 @@ def remove_device(written: WrittenCard) -> None:
         *(drm_class / f"{card}-{connector}" for connector in written.spec.connectors),
         written.root / "class" / "hwmon" / written.hwmon_dir.name,
         written.root / "bus" / "pci" / "drivers" / "amdgpu" / written.spec.pci_slot,
+        written.root / "bus" / "pci" / "devices" / written.spec.pci_slot,
     ):
         link.unlink(missing_ok=True)
     shutil.rmtree(written.device_dir)

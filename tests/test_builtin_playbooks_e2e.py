@@ -426,7 +426,10 @@ def thermal(
     assert first["playbook"] == "gpu-temperature-critical-10s", first
     assert steps_of(first) == [("capture_evidence", "ok"), ("set_power_cap", "ok")], first
     capped = first["steps"][1]["output"]
-    assert capped.startswith("power cap of gpu 0: 303 W → 272 W (floor 250 W); restore scheduled")
+    # The card's bus id, read from the exporter's gpufleet_gpu_info, went to the node with it.
+    bus = cards[0].spec.pci_slot
+    assert capped.startswith(f"power cap of gpu 0 ({bus}): 303 W → 272 W (floor 250 W); restore")
+    assert f"gpu-fleet-node: power-cap 0 272 {bus}: done" in capped
     assert first["outcome"] == "healed", first["verification"]
     [schedule] = services.journal.events(kind=SCHEDULED)
     assert schedule.run_id == first["id"] and schedule.target == f"gpu/{HOST}/0"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -223,3 +224,91 @@ def test_serves_metrics_and_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# --- --check-config: the files, and nothing else --------------------------------------------
+
+
+class Listener:
+    """A socket on 127.0.0.1 that counts the connections made to it (nobody should)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.sock.settimeout(0.05)
+        self.port = self.sock.getsockname()[1]
+
+    def connections(self) -> int:
+        count = 0
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except TimeoutError:
+                return count
+            conn.close()
+            count += 1
+
+
+def test_check_config_reads_the_files_and_contacts_nothing(tmp_path: Path) -> None:
+    listener, second = Listener(), Listener()  # one address per server
+    try:
+        # Servers of every engine, a canary and a LiteLLM proxy, all at the listening socket:
+        # a scrape would connect to it (--once does, as the control below shows).
+        path = roster(
+            tmp_path,
+            "hosts:\n  lab:\n    address: 127.0.0.1\n    gpus: {nvidia: {count: 2}}\n"
+            "    servers:\n"
+            "      alpha:\n        engine: llama\n"
+            f"        url: http://127.0.0.1:{listener.port}\n"
+            "        unit: llama-server@alpha.service\n        role: gpu-dense\n"
+            "        model: tiny\n        canary: {interval_seconds: 10}\n"
+            f"        litellm: {{url: 'http://127.0.0.1:{listener.port}', model_id: d1,"
+            " admin_key_file: /nonexistent/key}\n"
+            "      beta:\n        engine: vllm\n"
+            f"        url: http://127.0.0.1:{second.port}\n"
+            "        unit: vllm@beta.service\n        role: gpu-light\n        model: small\n",
+        )
+        web = tmp_path / "web.yml"
+        web.write_text("http_server_config:\n  headers:\n    X-Content-Type-Options: nosniff\n")
+        # An NVML whose enumeration hangs for 30 s: touching it would cost --collector.timeout.
+        scenario = tmp_path / "hang.yaml"
+        scenario.write_text(
+            TWO_GPUS.read_text()
+            + "    hang: {call: nvmlDeviceGetPciInfo, seconds: 30}\n"  # on the second GPU
+        )
+        started = time.monotonic()
+        checked = run(
+            "--check-config", "--config", str(path), "--host", "lab",
+            "--web.config.file", str(web), "--nvml.fake-scenario", str(scenario),
+            "--collector.timeout", "10", "--sysfs", str(tmp_path / "sys"),
+        )  # fmt: skip
+        elapsed = time.monotonic() - started
+        assert checked.returncode == 0, checked.stderr
+        assert checked.stdout.startswith(f"gpu-fleet-exporter: roster {path}: good; this host:")
+        assert "2 server(s), GPUs 2 nvidia" in checked.stdout
+        assert f"web config {web}: good (TLS off, basic auth off)" in checked.stdout
+        assert elapsed < 8, f"{elapsed:.1f} s: NVML was started"
+        assert (listener.connections(), second.connections()) == (0, 0)
+
+        # The control: one scrape does contact the servers (so the count above can fail).
+        once = run("--once", "--config", str(path), "--host", "lab", "--sysfs", str(tmp_path))
+        assert once.returncode == 0, once.stderr
+        assert listener.connections() > 0 and second.connections() > 0
+    finally:
+        listener.sock.close()
+        second.sock.close()
+
+
+def test_check_config_names_the_file_and_key_and_exits_2(tmp_path: Path) -> None:
+    path = roster(tmp_path, AMD_HOST.replace("count: 8", "count: many"))
+    bad = run("--check-config", "--config", str(path), "--host", "strix")
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert f"{path}: hosts.strix.gpus.amd.count: Input should be a valid integer" in bad.stderr
+    good = roster(tmp_path, AMD_HOST)
+    unknown = run("--check-config", "--config", str(good), "--host", "nowhere")
+    assert unknown.returncode == 2 and "--host 'nowhere': no such host" in unknown.stderr
+    web = tmp_path / "web.yml"
+    web.write_text("basic_auth_users:\n  prometheus: not-a-bcrypt-hash\n")
+    web_bad = run("--check-config", "--config", str(good), "--host", "strix",
+                  "--web.config.file", str(web))  # fmt: skip
+    assert web_bad.returncode == 2
+    assert f"{web}: basic_auth_users.prometheus:" in web_bad.stderr, web_bad.stderr

@@ -48,10 +48,10 @@ from remediator.actions.registry import ActionContext, run_action
 from remediator.actions.serving import DrainParams
 from remediator.actions.settings import ActionSettings, RedisOptions
 from remediator.config import load_config
-from remediator.journal.store import Journal
+from remediator.journal import Journal
 from remediator.playbooks.model import Target
+from remediator.prometheus_api import query_instant
 from remediator.service import build_services
-from remediator.verify import query_instant
 from remediator.web import create_app
 from tests.llama_lab import LlamaServer, StartLlamaServer, start_generation, wait_until
 from tests.prometheus_lab import MetricsEndpoint, PrometheusServer
@@ -345,8 +345,12 @@ def test_the_unblock_runs_even_when_a_later_step_fails(tmp_path: Path) -> None:
 # --- set_power_cap and the restore ----------------------------------------------------------
 
 
-def temperatures(celsius: float, current: float = 650) -> str:
+NVIDIA_BUS = "0000:41:00.0"  # the scenario's first GPU: gpu 0 on a host without other GPUs
+
+
+def temperatures(celsius: float, current: float = 650, bus_id: str = NVIDIA_BUS) -> str:
     return (
+        f'gpufleet_gpu_info{{gpu="0",pci_bus_id="{bus_id}",vendor="nvidia"}} 1\n'
         f'gpufleet_gpu_power_limit_watts{{gpu="0",kind="current"}} {current:g}\n'
         'gpufleet_gpu_power_limit_watts{gpu="0",kind="min"} 200\n'
         f'gpufleet_gpu_temperature_celsius{{gpu="0",sensor="gpu"}} {celsius}\n'
@@ -362,7 +366,10 @@ def enforced_watts(scenario: Path) -> float | None:
     return float(value) / 1000
 
 
-def test_power_cap_steps_down_and_is_restored_after_the_cool_down(tmp_path: Path) -> None:
+def power_settings(
+    tmp_path: Path, bounds: str = "0: {min: 300, max: 700}"
+) -> tuple[Path, Path, ActionSettings]:
+    """The fake NVML scenario, the roster and the settings that run the real node on them."""
     scenario = tmp_path / "two_gpus.yaml"
     shutil.copy(NVML_SCENARIO, scenario)
     sysfs = tmp_path / "sys"
@@ -370,9 +377,8 @@ def test_power_cap_steps_down_and_is_restored_after_the_cool_down(tmp_path: Path
     roster_path = tmp_path / "fleet.yaml"
     roster_path.write_text(
         "hosts:\n  dioscuri:\n    address: 127.0.0.1\n    local: true\n"
-        "    gpus: {nvidia: {count: 2}}\n    power_cap_watts: {0: {min: 300, max: 700}}\n"
+        f"    gpus: {{nvidia: {{count: 2}}}}\n    power_cap_watts: {{{bounds}}}\n"
     )
-    roster = load_roster(roster_path)
     settings = ActionSettings(
         executors=ExecutorSettings(
             roster_path=roster_path,
@@ -387,6 +393,12 @@ def test_power_cap_steps_down_and_is_restored_after_the_cool_down(tmp_path: Path
             ),
         )
     )
+    return scenario, roster_path, settings
+
+
+def test_power_cap_steps_down_and_is_restored_after_the_cool_down(tmp_path: Path) -> None:
+    scenario, roster_path, settings = power_settings(tmp_path)
+    roster = load_roster(roster_path)
     host = roster.hosts["dioscuri"]
     target = Target("gpu", "dioscuri", host, gpu=0)
     journal = Journal(f"sqlite:///{tmp_path / 'journal.db'}", replica_id="test")
@@ -399,10 +411,12 @@ def test_power_cap_steps_down_and_is_restored_after_the_cool_down(tmp_path: Path
         ctx = context(target, settings, prometheus_url=prom.url, journal=journal, run_id=7)
         result = run_action(ctx, "set_power_cap", params, 60)
         assert result.ok, result.output
-        assert result.output.startswith("power cap of gpu 0: 650 W → 585 W (floor 300 W)")
+        assert result.output.startswith(
+            f"power cap of gpu 0 ({NVIDIA_BUS}): 650 W → 585 W (floor 300 W)"
+        )
         assert enforced_watts(scenario) == 585
         [pending] = pending_restores(journal)
-        assert (pending.host, pending.gpu) == ("dioscuri", 0)
+        assert (pending.host, pending.gpu, pending.pci_bus_id) == ("dioscuri", 0, NVIDIA_BUS)
         assert journal.events(kind=SCHEDULED)[0].run_id == 7
 
         # The exporter reports the new limit; a second step while hot lowers from there and
@@ -443,6 +457,38 @@ def test_power_cap_steps_down_and_is_restored_after_the_cool_down(tmp_path: Path
         assert not floor.ok and floor.output.startswith("at the floor: ")
         assert floor.escalate is not None and "power-cap floor" in floor.escalate
     journal.close()
+
+
+def test_power_cap_sends_the_bus_id_and_the_node_refuses_another_card(tmp_path: Path) -> None:
+    # Prometheus says gpu 0 is 0000:c1:00.0 (an exporter that numbered otherwise): the node,
+    # for which gpu 0 is 0000:41:00.0, refuses, and neither card's limit changes. The bounds
+    # are keyed by the bus id the remediator read, so the step gets as far as the node.
+    other = "0000:c1:00.0"
+    scenario, roster_path, settings = power_settings(tmp_path, f"'{other}': {{min: 300, max: 700}}")
+    host = load_roster(roster_path).hosts["dioscuri"]
+    target = Target("gpu", "dioscuri", host, gpu=0)
+    params = SetPowerCapParams(step_percent=10)
+    with (
+        MetricsEndpoint(temperatures(88, bus_id=other)) as endpoint,
+        PrometheusServer(tmp_path / "prom", [endpoint.target], labels={"host": "dioscuri"}) as prom,
+    ):
+        prom.wait_for("gpufleet_gpu_info", count=1)
+        ctx = context(target, settings, prometheus_url=prom.url)
+        refused = run_action(ctx, "set_power_cap", params, 60)
+        assert not refused.ok
+        assert f"GPU 0 is {NVIDIA_BUS} on this host, but the request names {other}" in (
+            refused.output
+        ), refused.output
+        assert refused.details["pci_bus_id"] == other
+        assert enforced_watts(scenario) is None  # the fake's limits were never written
+
+        # No identity in Prometheus: no action at all (the node is not called).
+        endpoint.set(temperatures(88).replace("gpufleet_gpu_info", "gpufleet_other_info"))
+        wait_until(lambda: not query_instant(prom.url, "gpufleet_gpu_info", timeout_seconds=2),
+                   20, interval=0.2, what="the identity gone from Prometheus")  # fmt: skip
+        unknown = run_action(ctx, "set_power_cap", params, 60)
+        assert not unknown.ok and "gave 0 GPU(s)" in unknown.output, unknown.output
+        assert enforced_watts(scenario) is None
 
 
 def test_host_actions_without_an_executor_say_so(tmp_path: Path) -> None:

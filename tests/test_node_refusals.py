@@ -66,7 +66,7 @@ def assert_untouched(lab: Lab, pid: int | None) -> None:
         ("restart alpha\nid", "word 2 'alpha\\nid' is not a plain name"),
         # A trailing newline too: a regular expression's `$` would let it through.
         ("restart alpha\n", "word 2 'alpha\\n' is not a plain name"),
-        ("power-cap 0 300\n", "word 3 '300\\n' is not a plain name"),
+        ("power-cap 0 300 0000:41:00.0\n", "word 4 '0000:41:00.0\\n' is not a plain name"),
         ("restart\talpha", "word 1 'restart\\talpha' is not a plain name"),
         ("status ../alpha", "word 2 '../alpha' is not a plain name"),
         ("status /etc/passwd", "word 2 '/etc/passwd' is not a plain name"),
@@ -82,11 +82,25 @@ def assert_untouched(lab: Lab, pid: int | None) -> None:
         ("reboot alpha", "unknown verb 'reboot'; the verbs are: status, evidence"),
         ("restart delta", "host 'lab' has no server 'delta' (its servers: alpha)"),
         ("restart gamma", "server 'gamma' belongs to host 'elsewhere', not to this host 'lab'"),
-        ("power-cap 2 200", "GPU 2 has no power_cap_watts bounds in the roster for host 'lab'"),
-        ("power-cap 0 900", "900 W is outside the roster's bounds for GPU 0: 150-300 W"),
-        ("power-cap 0 -5", "word 3 '-5' is not a plain name"),
-        ("power-cap zero 200", "GPU must be a gpu index (a number), not 'zero'"),
-        ("power-cap-restore 7", "GPU 7 has no power_cap_watts bounds"),
+        (
+            "power-cap 2 200 0000:c1:00.0",
+            "GPU 2 (0000:c1:00.0) has no power_cap_watts bounds in the roster for host 'lab'",
+        ),
+        (
+            "power-cap 0 900 0000:41:00.0",
+            "900 W is outside the roster's bounds for GPU 0: 150-300 W",
+        ),
+        ("power-cap 0 -5 0000:41:00.0", "word 3 '-5' is not a plain name"),
+        ("power-cap zero 200 0000:41:00.0", "GPU must be a gpu index (a number), not 'zero'"),
+        (
+            "power-cap 0 200",
+            "power-cap takes 3 argument(s), got 2: usage: power-cap GPU WATTS PCI_BUS_ID",
+        ),
+        (
+            "power-cap 0 200 0000:41:00",
+            "PCI_BUS_ID must be a PCI bus id (0000:41:00.0), not '0000:41:00'",
+        ),
+        ("power-cap-restore 7 0000:41:00.0", "GPU 7 (0000:41:00.0) has no power_cap_watts bounds"),
     ],
 )
 def test_ssh_refusals_change_nothing(running: Lab, command: str, complaint: str) -> None:

@@ -50,6 +50,9 @@ def test_example_roster_is_valid_and_shaped_like_the_fleet() -> None:
     assert theia.gpus.nvidia is not None
     assert theia.gpus.nvidia.compute_mode == "exclusive_process"
     assert theia.servers["zeta"].engine == "vllm"
+    dioscuri = roster.hosts["dioscuri"]
+    assert dioscuri.gpus.expected_pci_bus_ids() == ["0000:41:00.0", "0000:c1:00.0"]
+    assert dioscuri.power_bounds(0, "0000:41:00.0") == dioscuri.power_cap_watts["0000:41:00.0"]
     amdpve = roster.hosts["amdpve"]
     assert amdpve.thermal_criticals() == {"k10temp/Tctl": 90.0}
     assert amdpve.gpus.amd is not None and amdpve.gpus.nvidia is None
@@ -166,6 +169,43 @@ def test_power_and_thermal_sections(tmp_path: Path) -> None:
         "amd: {count: 1, compute_mode: default}",
     )
     assert "compute modes exist only for NVIDIA GPUs" in error_of(tmp_path, base)
+
+
+def test_gpus_by_pci_bus_id(tmp_path: Path) -> None:
+    listed = MINIMAL.replace(
+        "nvidia: {count: 2, compute_mode: exclusive_process}",
+        "nvidia: {count: 2, pci_bus_ids: ['0000:C1:00.0', '41:00.0']}\n"
+        "      amd: {count: 1, pci_bus_ids: ['0000:c5:00.0']}",
+    ).replace(
+        "    servers:",
+        "    power_cap_watts: {'0000:41:00.0': {min: 300, max: 600}, 1: {min: 250, max: 450}}\n"
+        "    servers:",
+    )
+    host = load_roster(write(tmp_path, listed)).hosts["dioscuri"]
+    # Normalised to the sysfs form and sorted: the order the `gpu` numbering follows.
+    assert host.gpus.expected_pci_bus_ids() == ["0000:41:00.0", "0000:c1:00.0", "0000:c5:00.0"]
+    by_bus = host.power_bounds(0, "00000000:41:00.0")  # NVML's spelling finds it too
+    assert by_bus is not None and (by_bus.min, by_bus.max) == (300, 600)
+    by_index = host.power_bounds(1, "0000:c1:00.0")  # no bus-id key for it: the index's
+    assert by_index is not None and by_index.max == 450
+    assert host.power_bounds(2, "0000:c5:00.0") is None
+
+    cases = [
+        ("'41:00.0']", "'41:00.0', '0000:42:00.0']", "nvidia: pci_bus_ids: lists 3 GPU(s), count"),
+        ("'41:00.0']", "'c1:00.0']", "pci_bus_ids: a PCI bus id is listed twice"),
+        ("'41:00.0']", "'41:00']", "nvidia.pci_bus_ids: item 1: '41:00' is not a PCI bus id"),
+        ("['0000:c5:00.0']", "['0000:c1:00.0']", "0000:c1:00.0: listed for nvidia and amd"),
+        ("'0000:41:00.0': {", "'0000:42:00.0': {", "power_cap_watts.0000:42:00.0: not among"),
+        ("'0000:41:00.0': {", "gpu0: {", "power_cap_watts: key 'gpu0' is neither a `gpu` index"),
+        ("'0000:41:00.0': {", "'41:00.0': {min: 1, max: 2}, '0000:41:00.0': {", "given twice"),
+        # Unquoted, YAML 1.1 reads a bus id as a base-60 number: say so instead of "not a string".
+        ("'0000:41:00.0': {", "0000:41:00.0: {", "2460.0 is a number: quote PCI bus ids"),
+        ("'41:00.0']", "41:00.0]", "nvidia.pci_bus_ids: item 1: 2460.0 is a number: quote"),
+    ]
+    for old, new, expected in cases:
+        assert old in listed
+        message = error_of(tmp_path, listed.replace(old, new, 1))
+        assert expected in message, message
 
 
 def test_not_yaml_and_not_a_mapping(tmp_path: Path) -> None:

@@ -11,7 +11,8 @@ Under `--ssh` (`command="sudo /opt/gpu-fleet/bin/gpu-fleet-node --config ... --h
 (`^[A-Za-z0-9][A-Za-z0-9._@:-]{0,127}$`), at most 4 words; anything else (`;`, `$( )`, quotes,
 backticks, `|`, `/`, a newline, an empty word) is refused before anything is looked at. Then
 every argument is checked against *this* host's section of the roster: a SERVER must be one
-of its servers, a GPU one its `power_cap_watts` names, WATTS within those bounds.
+of its servers, a GPU one its `power_cap_watts` names (by index or bus id), WATTS within those
+bounds.
 
 Verbs (`exporter.node.protocol`):
 
@@ -21,8 +22,9 @@ Verbs (`exporter.node.protocol`):
 - `restart|stop|start SERVER`: `systemctl ACTION UNIT`, then wait (`--wait-seconds`, 30) for
   `active` (restart: with a new main process) or `inactive`/`failed`;
 - `guard-port SERVER`: the port guard (`exporter.node.guard`);
-- `power-cap GPU WATTS`, `power-cap-restore GPU`: NVML's power limit or amdgpu's `power1_cap`,
-  the previous value recorded under `--state-dir` (`exporter.node.gpus`).
+- `power-cap GPU WATTS PCI_BUS_ID`, `power-cap-restore GPU PCI_BUS_ID`: NVML's power limit or
+  amdgpu's `power1_cap`, the previous value recorded under `--state-dir` (`exporter.node.gpus`);
+  refused unless this host numbers GPU `GPU` as the card `PCI_BUS_ID` (`exporter.gpu_index`).
 
 The answer is one JSON line on stdout, `{"ok", "verb", "args", "host", "result", "error"}`;
 the log line on stderr (and syslog under `--ssh`). Exit codes: 0 done, 1 tried and failed,

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from exporter.gpu_index import normalize_pci_bus_id
 from exporter.node import gpus as gpu_verbs
 from exporter.node import units
 from exporter.node.guard import (
@@ -179,10 +180,18 @@ def _parser() -> argparse.ArgumentParser:
         help=f"seconds to wait for the port to be free (default {DEFAULT_FREE_TIMEOUT:g})",
     )
     cap = sub.add_parser("power-cap", help="set a GPU's power cap within the roster's bounds")
-    cap.add_argument("gpu", metavar="GPU")
+    cap.add_argument("gpu", metavar="GPU", help="the `gpu` index")
     cap.add_argument("watts", metavar="WATTS")
+    cap.add_argument("pci_bus_id", metavar="PCI_BUS_ID", help="the GPU's bus id: 0000:41:00.0")
+    sub.add_parser(
+        "check-config",
+        help="check the roster and this host's section in it; exit 0 (good) or 2",
+        description="Read and validate the roster and find this host in it, nothing else: no "
+        "systemctl, no NVML, no device, no network. Not a remote verb (refused under --ssh).",
+    )
     restore = sub.add_parser("power-cap-restore", help="set a GPU's recorded power cap back")
-    restore.add_argument("gpu", metavar="GPU")
+    restore.add_argument("gpu", metavar="GPU", help="the `gpu` index")
+    restore.add_argument("pci_bus_id", metavar="PCI_BUS_ID", help="the GPU's bus id")
     return parser
 
 
@@ -244,11 +253,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _answer(_refusal([], f"no verb given; the verbs are: {', '.join(VERBS)}"), ssh=False)
     if options.verb == "guard-port":
         return _plain_guard_port(options)
+    if options.verb == "check-config":
+        return _answer(check_config(options.config, options.host), ssh=False)
     try:
         request = check_tokens(words)
     except Refused as exc:
         return _answer(_refusal(words, str(exc)), ssh=False)
     return _answer(execute(request, options), ssh=False)
+
+
+def check_config(config: Path, host: str | None) -> Reply:
+    """`check-config`: the roster validated and this host found in it, or why not (exit 2)."""
+    reply = Reply(verb="check-config", args=[], host="")
+    try:
+        roster = load_roster(config)
+        host_name = resolve_host_name(roster, host)
+    except RosterError as exc:
+        reply.error = str(exc)
+        return reply
+    entry = roster.hosts[host_name]
+    reply.host, reply.ok, reply.exit_code = host_name, True, EXIT_DONE
+    reply.result = {
+        "roster": str(config),
+        "servers": sorted(entry.servers),
+        "power_cap_gpus": sorted(str(key) for key in entry.power_cap_watts),
+        "pci_bus_ids": entry.gpus.expected_pci_bus_ids(),
+    }
+    return reply
 
 
 def _safe_words(command: str | None) -> list[str]:
@@ -329,18 +360,28 @@ def _server(roster: Roster, host_name: str, name: str) -> Server:
     raise Refused(f"host {host_name!r} has no server {name!r} (its servers: {known})")
 
 
-def _gpu_bounds(host: Host, host_name: str, text: str) -> tuple[int, PowerBounds]:
+def _gpu_bounds(
+    host: Host, host_name: str, text: str, bus_text: str
+) -> tuple[int, str, PowerBounds]:
     if not _GPU.match(text):
         raise Refused(f"GPU must be a gpu index (a number), not {show(text)}")
     index = int(text)
-    bounds = host.power_cap_watts.get(index)
-    if bounds is None:
-        allowed = ", ".join(str(i) for i in sorted(host.power_cap_watts)) or "none"
+    try:
+        bus_id = normalize_pci_bus_id(bus_text)
+    except ValueError:
         raise Refused(
-            f"GPU {index} has no power_cap_watts bounds in the roster for host {host_name!r}: "
-            f"power capping is not allowed for it (allowed GPUs: {allowed})"
+            f"PCI_BUS_ID must be a PCI bus id (0000:41:00.0), not {show(bus_text)}"
+        ) from None
+    # By the bus id the request names: if it is not this host's GPU `index`, the request is
+    # refused once the GPUs are read, before anything changes.
+    bounds = host.power_bounds(index, bus_id)
+    if bounds is None:
+        allowed = ", ".join(sorted(str(key) for key in host.power_cap_watts)) or "none"
+        raise Refused(
+            f"GPU {index} ({bus_id}) has no power_cap_watts bounds in the roster for host "
+            f"{host_name!r}: power capping is not allowed for it (allowed GPUs: {allowed})"
         )
-    return index, bounds
+    return index, bus_id, bounds
 
 
 def _watts(text: str, bounds: PowerBounds, index: int) -> int:
@@ -408,28 +449,30 @@ def _run(
             raise Failed(str(exc), exc.result) from None
         except (SystemdError, ProcNetError) as exc:
             raise Failed(f"cannot read {server.unit} before acting: {exc}") from None
-    index, bounds = _gpu_bounds(host, host_name, args[0])
+    index, bus_id, bounds = _gpu_bounds(host, host_name, args[0], args[-1])
     watts = _watts(args[1], bounds, index) if verb == "power-cap" else None
-    devices = _open_gpus(options)
+    devices = _open_gpus(options, host)
     try:
         if watts is not None:
             return gpu_verbs.power_cap(
-                devices, host, index, watts, bounds=bounds, state_dir=options.state_dir
+                devices, index, bus_id, watts, bounds=bounds, state_dir=options.state_dir
             )
-        return gpu_verbs.power_cap_restore(devices, host, index, options.state_dir)
+        return gpu_verbs.power_cap_restore(devices, index, bus_id, options.state_dir)
     except gpu_verbs.GpuError as exc:
         raise Failed(str(exc)) from None
     finally:
         devices.close()
 
 
-def _open_gpus(options: argparse.Namespace) -> gpu_verbs.Gpus:
+def _open_gpus(options: argparse.Namespace, host: Host) -> gpu_verbs.Gpus:
     try:
         backend = load_backend(options.nvml_fake_scenario)
     except ValueError as exc:  # the fake's ScenarioError (not imported: production never loads it)
         raise Refused(f"--nvml.fake-scenario: {exc}") from None
     try:
-        return gpu_verbs.Gpus(backend, sysfs=options.sysfs)
+        return gpu_verbs.Gpus(
+            backend, sysfs=options.sysfs, expected=host.gpus.expected_pci_bus_ids()
+        )
     except gpu_verbs.GpuError as exc:
         raise Failed(str(exc)) from None
 
@@ -438,7 +481,7 @@ def _gpu_processes(
     options: argparse.Namespace, host: Host, roots: units.Roots
 ) -> list[dict[str, Any]]:
     try:
-        devices = _open_gpus(options)
+        devices = _open_gpus(options, host)
     except (Refused, Failed) as exc:
         raise ValueError(str(exc)) from None
     try:

@@ -1,20 +1,22 @@
 """The GPU verbs of `gpu-fleet-node`: GPU processes for evidence, and power capping.
 
-GPUs are numbered as the exporter numbers them (`exporter.gpu_index`): PCI bus order over all
-of the host's GPUs, NVIDIA (through the NVML backend: the real `pynvml`, or the fake scenario
-stand-in under `--nvml.fake-scenario`) and AMD (amdgpu sysfs) together. The exporter keeps an
-index for a GPU that fell off the bus, this short-lived command cannot: so when the roster says
-how many GPUs the host has and that is not how many are found, power capping is refused (the
-numbers could name another card).
+GPUs are numbered by the function the exporter uses (`exporter.gpu_index.number_host_gpus`):
+PCI bus order over all of the host's GPUs in PCI sysfs and the roster's `pci_bus_ids`, NVIDIA
+(driven through the NVML backend: the real `pynvml`, or the fake scenario stand-in under
+`--nvml.fake-scenario`) and AMD (amdgpu sysfs) together. A request names the GPU by index *and*
+PCI bus id (the remediator reads the bus id from `gpufleet_gpu_info` when it acts): when this
+host's index -> bus id mapping differs (a card missing since the exporter numbered them), the
+request is refused, so an action lands on the card the alert is about or nowhere.
 
-Power capping (`power-cap GPU WATTS`, `power-cap-restore GPU`):
+Power capping (`power-cap GPU WATTS PCI_BUS_ID`, `power-cap-restore GPU PCI_BUS_ID`):
 
 - NVIDIA: `nvmlDeviceSetPowerManagementLimit` in milliwatts, within
   `nvmlDeviceGetPowerManagementLimitConstraints`; the value in force is
   `nvmlDeviceGetEnforcedPowerLimit`. Needs root.
 - AMD: hwmon `power1_cap` in microwatts, within `power1_cap_min`/`power1_cap_max`
   (Documentation/gpu/amdgpu/thermal.rst). Needs root.
-- Only within the roster's `power_cap_watts[GPU]` bounds *and* the device's own; the value in
+- Only within the roster's `power_cap_watts` bounds (by bus id, else by index) *and* the
+  device's own; the value in
   force before the first change is recorded in `<state-dir>/power-cap-gpu<N>.json` (written
   atomically, before the change), so that `power-cap-restore` sets it back and removes the
   record; later caps keep the first record. A restore without a record has nothing to do.
@@ -30,7 +32,7 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -38,9 +40,9 @@ from typing import Any, TypeVar
 
 import pynvml
 
-from exporter.gpu_index import GpuIndex, normalize_pci_bus_id
+from exporter.gpu_index import GpuIndex, normalize_pci_bus_id, number_host_gpus
 from exporter.node.protocol import Failed, Refused
-from exporter.roster import Host, PowerBounds, Server
+from exporter.roster import PowerBounds, Server
 from exporter.sources import drm_fdinfo
 from exporter.sources.amdgpu import AmdCard, discover_cards
 from exporter.sources.nvml import NvmlBackend, is_library_missing, is_not_supported
@@ -99,13 +101,16 @@ class Gpus:
         nvml: NvmlBackend,
         *,
         sysfs: str = "/sys",
+        expected: Sequence[str] = (),
         deadline_seconds: float = NVML_DEADLINE_SECONDS,
     ) -> None:
         self._nvml = nvml
         self._sysfs = sysfs
+        self._expected = tuple(expected)
         self._deadline_seconds = deadline_seconds
         self._initialised = False
         self.gpus: list[Gpu] = []
+        self.numbering: dict[str, int] = {}  # PCI bus id -> `gpu`, present or not
         self._enumerate()
 
     def _call(self, call: Callable[[], T], what: str) -> T:
@@ -127,7 +132,9 @@ class Gpus:
             for location in discover_cards(self._sysfs, use_udev=use_udev)
         }
         index = GpuIndex()
-        index.register([*nvidia, *amd])  # one call: indices in PCI bus order over both
+        self.numbering = number_host_gpus(
+            index, sysfs=self._sysfs, expected=self._expected, found=[*nvidia, *amd]
+        )
         for bus_id, handle in nvidia.items():
             self.gpus.append(Gpu(index.index_of(bus_id), "nvidia", bus_id, handle=handle))
         for bus_id, card in amd.items():
@@ -155,6 +162,10 @@ class Gpus:
     def by_index(self, index: int) -> Gpu | None:
         """The GPU with this `gpu` index, if present."""
         return next((gpu for gpu in self.gpus if gpu.index == index), None)
+
+    def bus_id_of(self, index: int) -> str | None:
+        """The PCI bus id this host numbers `index` (a card may be numbered and absent)."""
+        return next((bus for bus, i in self.numbering.items() if i == index), None)
 
     # -- processes ------------------------------------------------------------------------
 
@@ -307,29 +318,34 @@ def _read_record(path: Path) -> dict[str, Any] | None:
     return record
 
 
-def _expected_count(host: Host) -> int | None:
-    vendors = [v for v in (host.gpus.nvidia, host.gpus.amd) if v is not None]
-    return sum(v.count for v in vendors) if vendors else None
-
-
-def _find(gpus: Gpus, host: Host, index: int) -> Gpu:
-    expected = _expected_count(host)
-    if expected is not None and expected != len(gpus.gpus):
+def _find(gpus: Gpus, index: int, pci_bus_id: str) -> Gpu:
+    """The GPU the request names, when this host numbers it as the request does."""
+    own = gpus.bus_id_of(index)
+    if own is None:
+        raise Refused(f"there is no GPU {index} on this host ({len(gpus.gpus)} present)")
+    if own != pci_bus_id:
         raise Refused(
-            f"the roster says this host has {expected} GPU(s) and {len(gpus.gpus)} are present: "
-            f"GPU {index} might now be another card, so its power cap is left alone"
+            f"GPU {index} is {own} on this host, but the request names {pci_bus_id}: the "
+            "numbering differs from the one the request was made with (a card missing or "
+            "added since), so nothing was done"
         )
     gpu = gpus.by_index(index)
     if gpu is None:
-        raise Refused(f"there is no GPU {index} on this host ({len(gpus.gpus)} present)")
+        raise Refused(f"GPU {index} ({own}) is not present (off the bus, or no driver sees it)")
     return gpu
 
 
 def power_cap(
-    gpus: Gpus, host: Host, index: int, watts: int, *, bounds: PowerBounds, state_dir: Path
+    gpus: Gpus,
+    index: int,
+    pci_bus_id: str,
+    watts: int,
+    *,
+    bounds: PowerBounds,
+    state_dir: Path,
 ) -> dict[str, Any]:
-    """`power-cap GPU WATTS`: the result; `Refused` before any change, `Failed` after trying."""
-    gpu = _find(gpus, host, index)
+    """`power-cap GPU WATTS PCI_BUS_ID`: the result; `Refused` before any change, `Failed` after."""
+    gpu = _find(gpus, index, pci_bus_id)
     current, low, high = gpus.power(gpu)
     if not low <= watts <= high:
         raise Refused(
@@ -383,17 +399,18 @@ def power_cap(
     return result
 
 
-def power_cap_restore(gpus: Gpus, host: Host, index: int, state_dir: Path) -> dict[str, Any]:
-    """`power-cap-restore GPU`: set the recorded value back and remove the record."""
+def power_cap_restore(gpus: Gpus, index: int, pci_bus_id: str, state_dir: Path) -> dict[str, Any]:
+    """`power-cap-restore GPU PCI_BUS_ID`: set the recorded value back, remove the record."""
     path = _record_path(state_dir, index)
     record = _read_record(path)
     if record is None:
         return {
             "gpu": index,
+            "pci_bus_id": pci_bus_id,
             "restored": False,
             "message": f"no power cap of GPU {index} is recorded ({path}): nothing to restore",
         }
-    gpu = _find(gpus, host, index)
+    gpu = _find(gpus, index, pci_bus_id)
     if record.get("pci_bus_id") != gpu.pci_bus_id:
         raise Refused(
             f"{path} is for {record.get('pci_bus_id')}, but GPU {index} is {gpu.pci_bus_id} "

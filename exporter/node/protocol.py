@@ -39,8 +39,9 @@ VERBS: dict[str, tuple[str, ...]] = {
     "stop": ("SERVER",),
     "start": ("SERVER",),
     "guard-port": ("SERVER",),
-    "power-cap": ("GPU", "WATTS"),
-    "power-cap-restore": ("GPU",),
+    # A GPU is named by its `gpu` index and its PCI bus id: the node refuses a mismatch.
+    "power-cap": ("GPU", "WATTS", "PCI_BUS_ID"),
+    "power-cap-restore": ("GPU", "PCI_BUS_ID"),
 }
 
 

@@ -7,16 +7,20 @@ r"""Power capping: one step down now, and a durable restore once the temperature
         vendor: amd                   # host targets only (ApuTemperatureCritical): the GPU of
                                       # this vendor on the host, looked up in Prometheus
 
-The current limit and the device's own minimum come from Prometheus
+The GPU's PCI bus id comes from Prometheus at action time (`gpufleet_gpu_info{host,gpu}`'s
+`pci_bus_id`) and travels with the index: the node (`power-cap GPU WATTS PCI_BUS_ID`) refuses
+when it numbers that card otherwise, so the cap lands on the card the alert is about or
+nowhere. The current limit and the device's own minimum come from Prometheus
 (`gpufleet_gpu_power_limit_watts{kind="current"|"min"}`); the floor is the higher of the
-device minimum and the roster's `power_cap_watts[gpu].min`. At the floor the step fails and
-escalates: lowering further is not possible, people must look. The node (`power-cap GPU
-WATTS`) checks the bounds again and records the value it replaced, which
-`power-cap-restore GPU` puts back.
+device minimum and the roster's `power_cap_watts` minimum for the card (keyed by bus id, else
+by index). At the floor the step fails and escalates: lowering further is not possible, people
+must look. The node checks the bounds again and records the value it replaced, which
+`power-cap-restore GPU PCI_BUS_ID` puts back.
 
 The restore is a promise kept in the journal, so it survives restarts and is kept by exactly
 one replica: the step journals an event `power_cap_restore_scheduled` (detail: JSON with the
-host, GPU, the time it is due and the PromQL that must hold), and the engine's heartbeat calls
+host, GPU, its bus id, the time it is due and the PromQL that must hold), and the engine's
+heartbeat calls
 `restore_due_power_caps` every `power_cap.check_interval_seconds` under a journal lease. Once
 due and the query holds (the hottest sensor stayed `normal_margin_celsius` below critical for
 the whole window), it runs `power-cap-restore GPU` and journals `power_cap_restored` (or
@@ -36,13 +40,14 @@ from typing import Literal
 
 from pydantic import Field
 
+from exporter.gpu_index import normalize_pci_bus_id
 from exporter.roster import Roster
 from remediator.actions.executors import executor_for
 from remediator.actions.host import node_call
 from remediator.actions.registry import ActionContext, ActionParams, StepResult, action
 from remediator.actions.settings import ActionSettings
-from remediator.journal.store import Journal, JournalError
-from remediator.verify import QueryError, query_instant
+from remediator.journal import Journal, JournalError
+from remediator.prometheus_api import QueryError, query_instant
 
 log = logging.getLogger(__name__)
 
@@ -71,22 +76,46 @@ def _value(prometheus_url: str, query: str, timeout: float) -> float | None:
         return None
 
 
-def _gpu_index(ctx: ActionContext, params: SetPowerCapParams) -> int | str:
-    """The GPU to cap, or why there is none."""
-    target = ctx.target
-    if target.gpu is not None:
-        return target.gpu
-    if params.vendor is None:
-        return f"{target.key} is not a GPU: give `vendor` (e.g. amd for an APU)"
-    query = f'gpufleet_gpu_info{{host="{target.host}",vendor="{params.vendor}"}}'
+def gpu_identity(
+    prometheus_url: str, host: str, *, gpu: int | None = None, vendor: str | None = None
+) -> tuple[int, str] | str:
+    """`(gpu index, PCI bus id)` of one GPU of `host` from `gpufleet_gpu_info`, or why not.
+
+    Selected by index (a GPU target) or by vendor (a host target: the APU). Every series
+    found must name the same GPU: two exporters disagreeing is a reason not to act.
+    """
+    selector = f'host="{host}",' + (f'gpu="{gpu}"' if gpu is not None else f'vendor="{vendor}"')
+    query = f"gpufleet_gpu_info{{{selector}}}"
     try:
-        series = query_instant(ctx.prometheus_url, query, timeout_seconds=_QUERY_TIMEOUT_SECONDS)
+        series = query_instant(prometheus_url, query, timeout_seconds=_QUERY_TIMEOUT_SECONDS)
     except QueryError as exc:
-        return f"cannot find the {params.vendor} GPU of {target.host}: {exc}"
-    indices = sorted({str(s.get("metric", {}).get("gpu", "")) for s in series})
-    if len(indices) != 1 or not indices[0].isdigit():
-        return f"{query} gave {len(indices)} GPU(s) ({indices}); exactly one is needed"
-    return int(indices[0])
+        return f"cannot read the identity of the GPU ({query}): {exc}"
+    found = sorted(
+        {
+            (
+                str(s.get("metric", {}).get("gpu", "")),
+                str(s.get("metric", {}).get("pci_bus_id", "")),
+            )
+            for s in series
+        }
+    )
+    if len(found) != 1:
+        return f"{query} gave {len(found)} GPU(s) ({found}); exactly one is needed"
+    index, bus_id = found[0]
+    if not index.isdigit():
+        return f"{query}: gpu {index!r} is not an index"
+    try:
+        return int(index), normalize_pci_bus_id(bus_id)
+    except ValueError:
+        return f"{query}: pci_bus_id {bus_id!r} is not a PCI bus id"
+
+
+def _gpu_of(ctx: ActionContext, params: SetPowerCapParams) -> tuple[int, str] | str:
+    """The GPU to cap, with its bus id, or why there is none."""
+    target = ctx.target
+    if target.gpu is None and params.vendor is None:
+        return f"{target.key} is not a GPU: give `vendor` (e.g. amd for an APU)"
+    return gpu_identity(ctx.prometheus_url, target.host, gpu=target.gpu, vendor=params.vendor)
 
 
 def normal_query(ctx: ActionContext, gpu: int, params: SetPowerCapParams) -> str:
@@ -121,6 +150,7 @@ class ScheduledRestore:
     gpu: int
     due_at: datetime
     query: str
+    pci_bus_id: str | None = None  # None: scheduled before actions carried the bus id
 
 
 def pending_restores(journal: Journal) -> list[ScheduledRestore]:
@@ -145,6 +175,7 @@ def pending_restores(journal: Journal) -> list[ScheduledRestore]:
                     int(data["gpu"]),
                     datetime.fromisoformat(data["due_at"]),
                     str(data["query"]),
+                    str(data["pci_bus_id"]) if data.get("pci_bus_id") else None,
                 )
             )
         except (ValueError, KeyError, TypeError):
@@ -155,14 +186,17 @@ def pending_restores(journal: Journal) -> list[ScheduledRestore]:
 @action("set_power_cap", SetPowerCapParams, default_timeout_seconds=60.0)
 def set_power_cap(ctx: ActionContext, params: SetPowerCapParams) -> StepResult:
     """Lower the GPU's power cap one step (bounded), and schedule its restore."""
-    gpu = _gpu_index(ctx, params)
-    if isinstance(gpu, str):
-        return StepResult(False, f"error: {gpu}")
+    identity = _gpu_of(ctx, params)
+    if isinstance(identity, str):
+        return StepResult(False, f"error: {identity}")
+    gpu, bus_id = identity
     host = ctx.target.host
-    bounds = ctx.target.host_entry.power_cap_watts.get(gpu)
+    bounds = ctx.target.host_entry.power_bounds(gpu, bus_id)
     if bounds is None:
         return StepResult(
-            False, f"refused: the roster gives no power_cap_watts bounds for gpu {gpu} of {host}"
+            False,
+            f"refused: the roster gives no power_cap_watts bounds for gpu {gpu} ({bus_id}) "
+            f"of {host}",
         )
     selector = f'host="{host}",gpu="{gpu}"'
     timeout = max(0.2, min(_QUERY_TIMEOUT_SECONDS, ctx.remaining()))
@@ -179,30 +213,36 @@ def set_power_cap(ctx: ActionContext, params: SetPowerCapParams) -> StepResult:
     floor = max(bounds.min, device_min or 0.0)
     wanted = max(floor, current * (1 - params.step_percent / 100))
     watts = max(math.ceil(floor), math.floor(wanted))
-    details = {"gpu": gpu, "current": current, "floor": floor, "new": watts}
+    details = {"gpu": gpu, "pci_bus_id": bus_id, "current": current, "floor": floor, "new": watts}
     if current - watts < 1:
         why = (
             f"gpu {gpu} of {host} is at its power-cap floor ({current:g} W, floor {floor:g} W) "
             "and still too hot"
         )
         return StepResult(False, f"at the floor: {why}", details, escalate=why)
-    answer = node_call(ctx, "power-cap", [str(gpu), str(watts)])
+    answer = node_call(ctx, "power-cap", [str(gpu), str(watts), bus_id])
     if not answer.ok:
         return StepResult(False, answer.journal_text(), details)
-    output = f"power cap of gpu {gpu}: {current:g} W → {watts} W (floor {floor:g} W)"
+    output = f"power cap of gpu {gpu} ({bus_id}): {current:g} W → {watts} W (floor {floor:g} W)"
     if ctx.journal is not None:
-        output += "; " + _schedule(ctx, gpu, params)
+        output += "; " + _schedule(ctx, gpu, bus_id, params)
     return StepResult(True, f"{output}\n{answer.journal_text()}", details)
 
 
-def _schedule(ctx: ActionContext, gpu: int, params: SetPowerCapParams) -> str:
+def _schedule(ctx: ActionContext, gpu: int, bus_id: str, params: SetPowerCapParams) -> str:
     assert ctx.journal is not None
     host = ctx.target.host
     if any(r.host == host and r.gpu == gpu for r in pending_restores(ctx.journal)):
         return "a restore is already scheduled for this GPU"
     due = datetime.now(UTC) + timedelta(seconds=params.restore_after_seconds)
     query = normal_query(ctx, gpu, params)
-    detail = {"host": host, "gpu": gpu, "due_at": due.isoformat(), "query": query}
+    detail = {
+        "host": host,
+        "gpu": gpu,
+        "pci_bus_id": bus_id,
+        "due_at": due.isoformat(),
+        "query": query,
+    }
     ctx.journal.add_event(
         SCHEDULED, json.dumps(detail), run_id=ctx.run_id, target=f"gpu/{host}/{gpu}"
     )
@@ -253,9 +293,19 @@ def restore_due_power_caps(
             continue
         if not series:
             continue  # not normal long enough yet: the next check asks again
+        bus_id = item.pci_bus_id
+        if bus_id is None:  # scheduled by an older remediator: the card as Prometheus sees it
+            identity = gpu_identity(prometheus_url, item.host, gpu=item.gpu)
+            if isinstance(identity, str):
+                log.warning("power-cap restore of %s: %s", target, identity)
+                continue
+            bus_id = identity[1]
         executor = executor_for(item.host, entry, settings.executors)
         answer = executor.run(
-            "power-cap-restore", [str(item.gpu)], timeout=_RESTORE_TIMEOUT_SECONDS, cancel=cancel
+            "power-cap-restore",
+            [str(item.gpu), bus_id],
+            timeout=_RESTORE_TIMEOUT_SECONDS,
+            cancel=cancel,
         )
         if not answer.ok:
             log.warning("power-cap restore of %s failed: %s", target, answer.summary)

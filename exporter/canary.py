@@ -26,9 +26,9 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
+from exporter.collectors import catalogue
 from exporter.roster import Canary, Server
 from exporter.sources.http_client import Outcome, call, read_secret
 from exporter.sources.llama_api import ParseError, parse_metrics, parse_props, parse_slots
@@ -215,21 +215,9 @@ class CanaryCollector:
         """The last result of every probe (nothing for a server not yet probed)."""
         if not self.probes:
             return
-        rate = GaugeMetricFamily(
-            "gpufleet_canary_tokens_per_second",
-            "Throughput of the last canary completion, from llama-server's timings.",
-            labels=["server", "phase"],
-        )
-        last = GaugeMetricFamily(
-            "gpufleet_canary_last_run_timestamp_seconds",
-            "When the last successful canary completion finished (Unix time).",
-            labels=["server"],
-        )
-        runs = CounterMetricFamily(
-            "gpufleet_canary_runs",
-            "Canary attempts by outcome: ok, skipped_down, skipped_busy, skipped_unknown, error.",
-            labels=["server", "outcome"],
-        )
+        rate = catalogue.gauge("gpufleet_canary_tokens_per_second")
+        last = catalogue.gauge("gpufleet_canary_last_run_timestamp_seconds")
+        runs = catalogue.counter("gpufleet_canary_runs_total")
         for probe in self.probes:
             result, counts = probe.snapshot()
             for outcome, count in counts.items():

@@ -23,6 +23,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from exporter.canary import CanaryCollector
+from exporter.collectors.catalogue import CATALOGUE
 from exporter.exposition import TextWriter
 from exporter.registry import ExporterSettings, FleetCollector, build_registry
 from exporter.roster import Host
@@ -132,12 +133,52 @@ def promtool_check(text: str) -> None:
     assert check.returncode == 0, check.stdout + check.stderr
 
 
-def readme_metric_names() -> set[str]:
+def readme_metric_table() -> dict[str, tuple[str, ...]]:
+    """README's metric table: each series and its labels, as the table's columns give them."""
     text = (REPO / "README.md").read_text()
     table = text.split("<!-- metrics:begin -->", 1)[1].split("<!-- metrics:end -->", 1)[0]
-    names = set(re.findall(r"^\| `(gpufleet_\w+)`", table, flags=re.MULTILINE))
-    assert len(names) > 30, "README's metric table went missing"
-    return names
+    rows = re.findall(r"^\| `(gpufleet_\w+)` \|\s*(?:`([\w,]+)`)?\s*\|", table, flags=re.MULTILINE)
+    assert len(rows) > 30, "README's metric table went missing"
+    return {name: tuple(labels.split(",")) if labels else () for name, labels in rows}
+
+
+def readme_metric_names() -> set[str]:
+    return set(readme_metric_table())
+
+
+def test_readme_table_is_the_catalogue() -> None:
+    """One list of families: README's table gives the catalogue's names and labels, no more."""
+    table = readme_metric_table()
+    assert set(table) == set(CATALOGUE)
+    for name, labels in table.items():
+        assert labels == CATALOGUE[name].labels, name
+
+
+def test_every_collector_makes_its_families_from_the_catalogue() -> None:
+    """No collector builds a metric family of its own: help texts and labels cannot drift."""
+    offenders = [
+        f"{path.relative_to(REPO)}:{number}"
+        for path in sorted((REPO / "exporter").rglob("*.py"))
+        if path.name not in ("catalogue.py", "exposition.py")
+        for number, line in enumerate(path.read_text().splitlines(), start=1)
+        if re.search(r"\b(Gauge|Counter|Histogram)MetricFamily\(", line)
+    ]
+    assert offenders == []
+    units = {f.unit for f in CATALOGUE.values()}
+    assert {"bytes", "celsius", "watts", "joules", "hertz", "seconds", "ratio", "rpm", ""} == units
+    assert CATALOGUE["gpufleet_gpu_energy_joules_total"].unit == "joules"
+    assert CATALOGUE["gpufleet_llama_slots"].unit == ""
+
+
+def assert_families_match_the_catalogue(text: str) -> None:
+    """Each family of a scrape has the catalogue's type, help text and label names."""
+    for family in text_string_to_metric_families(text):
+        name = family.name + "_total" if family.type == "counter" else family.name
+        spec = CATALOGUE[name]
+        assert (family.type, family.documentation) == (spec.type, spec.help), name
+        for sample in family.samples:
+            labels = set(sample.labels) - {"le"}  # a histogram bucket's bound
+            assert labels == set(spec.labels), (name, sample.labels)
 
 
 def test_readme_lists_exactly_the_series_the_exporter_produces(
@@ -189,6 +230,7 @@ def test_readme_lists_exactly_the_series_the_exporter_produces(
     # A histogram's samples are listed under the family's name.
     produced = {re.sub(r"_(bucket|sum|count)$", "", n) if "_seconds_" in n else n for n in produced}
     documented = readme_metric_names()
+    assert_families_match_the_catalogue(text)
     assert produced - documented == set(), "produced but not in README.md"
     assert documented - produced == set(), "in README.md but not produced by this scrape"
     promtool_check(text)

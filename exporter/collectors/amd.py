@@ -37,9 +37,9 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
+from exporter.collectors import catalogue
 from exporter.collectors.base import CollectorError, Rediscovery
 from exporter.gpu_index import GpuIndex
 from exporter.sources.amdgpu import AmdCard, AmdIdentity, AmdReading, discover_cards
@@ -47,7 +47,6 @@ from exporter.sources.amdgpu import AmdCard, AmdIdentity, AmdReading, discover_c
 log = logging.getLogger(__name__)
 
 VENDOR = "amd"
-INFO_LABELS = ("gpu", "uuid", "pci_bus_id", "vendor", "model", "pci_id", "card", "vbios")
 # The worker thread ends after this long without a scrape (a new one starts with the next).
 _WORKER_IDLE_SECONDS = 120.0
 
@@ -260,61 +259,25 @@ class AmdCollector:
         for slot, done in reads.items():
             self._identities[slot] = done.identity
 
-        info = GaugeMetricFamily("gpufleet_gpu_info", "GPU identity.", labels=INFO_LABELS)
-        up = GaugeMetricFamily(
-            "gpufleet_gpu_up",
-            "1 when the GPU was read, 0 when read and lost or erroring; absent when not read.",
-            labels=["gpu"],
+        g, c = catalogue.gauge, catalogue.counter
+        info, up, read_timeout = (
+            g("gpufleet_gpu_info"),
+            g("gpufleet_gpu_up"),
+            g("gpufleet_gpu_read_timeout"),
         )
-        read_timeout = GaugeMetricFamily(
-            "gpufleet_gpu_read_timeout",
-            "1 when reading the GPU did not finish within the collector's deadline (its call "
-            "hangs), 0 when it was read this scrape; absent when it was not reached.",
-            labels=["gpu"],
-        )
-        util = GaugeMetricFamily(
-            "gpufleet_gpu_utilization_ratio", "Fraction of time the GPU was busy.", labels=["gpu"]
-        )
-        mem_util = GaugeMetricFamily(
-            "gpufleet_gpu_memory_utilization_ratio",
-            "Fraction of time the GPU memory controller was busy.",
-            labels=["gpu"],
-        )
-        mem_used = GaugeMetricFamily(
-            "gpufleet_gpu_memory_used_bytes", "GPU memory in use, by pool.", labels=["gpu", "pool"]
-        )
-        mem_total = GaugeMetricFamily(
-            "gpufleet_gpu_memory_total_bytes", "GPU memory size, by pool.", labels=["gpu", "pool"]
-        )
-        temp = GaugeMetricFamily(
-            "gpufleet_gpu_temperature_celsius", "GPU temperature.", labels=["gpu", "sensor"]
-        )
-        temp_crit = GaugeMetricFamily(
-            "gpufleet_gpu_temperature_critical_celsius",
-            "The GPU's own critical temperature limit.",
-            labels=["gpu", "sensor"],
-        )
-        temp_emergency = GaugeMetricFamily(
-            "gpufleet_gpu_temperature_emergency_celsius",
-            "The GPU's emergency (shutdown) temperature.",
-            labels=["gpu", "sensor"],
-        )
-        power = GaugeMetricFamily("gpufleet_gpu_power_watts", "GPU power draw.", labels=["gpu"])
-        power_limit = GaugeMetricFamily(
-            "gpufleet_gpu_power_limit_watts",
-            "GPU power limits: the enforced cap and its bounds.",
-            labels=["gpu", "kind"],
-        )
-        energy = CounterMetricFamily(
-            "gpufleet_gpu_energy_joules", "GPU energy consumed.", labels=["gpu"]
-        )
-        fan = GaugeMetricFamily("gpufleet_gpu_fan_speed_rpm", "GPU fan speed.", labels=["gpu"])
-        clock = GaugeMetricFamily(
-            "gpufleet_gpu_clock_hertz", "GPU clock frequency.", labels=["gpu", "clock"]
-        )
-        clock_max = GaugeMetricFamily(
-            "gpufleet_gpu_clock_max_hertz", "Highest GPU clock level.", labels=["gpu", "clock"]
-        )
+        util = g("gpufleet_gpu_utilization_ratio")
+        mem_util = g("gpufleet_gpu_memory_utilization_ratio")
+        mem_used = g("gpufleet_gpu_memory_used_bytes")
+        mem_total = g("gpufleet_gpu_memory_total_bytes")
+        temp = g("gpufleet_gpu_temperature_celsius")
+        temp_crit = g("gpufleet_gpu_temperature_critical_celsius")
+        temp_emergency = g("gpufleet_gpu_temperature_emergency_celsius")
+        power = g("gpufleet_gpu_power_watts")
+        power_limit = g("gpufleet_gpu_power_limit_watts")
+        energy = c("gpufleet_gpu_energy_joules_total")
+        fan = g("gpufleet_gpu_fan_speed_rpm")
+        clock = g("gpufleet_gpu_clock_hertz")
+        clock_max = g("gpufleet_gpu_clock_max_hertz")
 
         cards_up = unread = 0
         for card in cards:
@@ -381,15 +344,9 @@ class AmdCollector:
 
         families: list[Metric] = [info, up, read_timeout]
         if self._expected_count is not None:
-            expected = GaugeMetricFamily(
-                "gpufleet_gpus_expected", "GPUs the roster says the host has.", labels=["vendor"]
-            )
+            expected = catalogue.gauge("gpufleet_gpus_expected")
             expected.add_metric((VENDOR,), self._expected_count)
-            lost = GaugeMetricFamily(
-                "gpufleet_gpus_lost",
-                "Expected GPUs that are missing or down (GPUs not read this scrape excluded).",
-                labels=["vendor"],
-            )
+            lost = catalogue.gauge("gpufleet_gpus_lost")
             lost.add_metric((VENDOR,), max(0, self._expected_count - cards_up - unread))
             families += (expected, lost)
         families += (

@@ -22,12 +22,12 @@ Check by hand: `head -1 /proc/stat` (CPU time in clock ticks, USER_HZ), `uptime`
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import psutil
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
+from exporter.collectors import catalogue
 from exporter.collectors.base import CollectorError
 
 # psutil raises OSError subclasses for /proc trouble and psutil.Error for its own.
@@ -49,25 +49,18 @@ class HostCollector:
         """
         failed: list[str] = []
 
-        def gauge(name: str, documentation: str, read: Callable[[], float | None]) -> Metric | None:
-            try:
-                value = read()
-            except _PSUTIL_ERRORS as err:
-                failed.append(f"{name}: {err}")
-                return None
-            return None if value is None else GaugeMetricFamily(name, documentation, value=value)
+        def one(name: str, value: float) -> Metric:
+            family = catalogue.gauge(name)
+            family.add_metric([], value)
+            return family
 
-        families: list[Metric | None] = []
+        families: list[Metric] = []
         try:
             times = psutil.cpu_times(percpu=False)
         except _PSUTIL_ERRORS as err:
             failed.append(f"cpu times: {err}")
         else:
-            cpu = CounterMetricFamily(
-                "gpufleet_host_cpu_seconds",
-                "CPU time spent in each mode, summed over all CPUs (guest time is in user/nice).",
-                labels=["mode"],
-            )
+            cpu = catalogue.counter("gpufleet_host_cpu_seconds_total")
             for mode in CPU_MODES:
                 value = getattr(times, mode, None)  # a field the kernel lacks: left out
                 if isinstance(value, float):
@@ -79,30 +72,16 @@ class HostCollector:
             failed.append(f"load: {err}")
         else:
             for minutes, value in zip((1, 5, 15), load, strict=True):
-                families.append(
-                    GaugeMetricFamily(
-                        f"gpufleet_host_load{minutes}",
-                        f"Load average over {minutes} minute(s).",
-                        value=value,
-                    )
-                )
+                families.append(one(f"gpufleet_host_load{minutes}", value))
         try:
             memory = psutil.virtual_memory()
         except _PSUTIL_ERRORS as err:
             failed.append(f"memory: {err}")
         else:
             families += (
-                GaugeMetricFamily(
-                    "gpufleet_host_memory_total_bytes", "Physical memory.", value=memory.total
-                ),
-                GaugeMetricFamily(
-                    "gpufleet_host_memory_available_bytes",
-                    "Memory available to new processes without swapping (MemAvailable).",
-                    value=memory.available,
-                ),
-                GaugeMetricFamily(
-                    "gpufleet_host_memory_used_bytes", "Memory in use.", value=memory.used
-                ),
+                one("gpufleet_host_memory_total_bytes", memory.total),
+                one("gpufleet_host_memory_available_bytes", memory.available),
+                one("gpufleet_host_memory_used_bytes", memory.used),
             )
         try:
             swap = psutil.swap_memory()
@@ -110,19 +89,17 @@ class HostCollector:
             failed.append(f"swap: {err}")
         else:
             families += (
-                GaugeMetricFamily(
-                    "gpufleet_host_swap_total_bytes", "Swap space.", value=swap.total
-                ),
-                GaugeMetricFamily("gpufleet_host_swap_used_bytes", "Swap in use.", value=swap.used),
+                one("gpufleet_host_swap_total_bytes", swap.total),
+                one("gpufleet_host_swap_used_bytes", swap.used),
             )
-        families.append(
-            gauge(
-                "gpufleet_host_cpus",
-                "Logical CPUs.",
-                lambda: psutil.cpu_count(logical=True),  # None when it cannot be determined
-            )
-        )
-        yield from (family for family in families if family is not None)
+        try:
+            cpus = psutil.cpu_count(logical=True)  # None when it cannot be determined
+        except _PSUTIL_ERRORS as err:
+            failed.append(f"gpufleet_host_cpus: {err}")
+        else:
+            if cpus is not None:
+                families.append(one("gpufleet_host_cpus", cpus))
+        yield from families
         if failed:
             raise CollectorError("; ".join(failed))
 

@@ -31,9 +31,9 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
+from exporter.collectors import catalogue
 from exporter.collectors.base import Rediscovery
 from exporter.sources.hwmon import chip_labels, list_chips
 from exporter.sources.sysfs import StaticValue, read_int
@@ -110,15 +110,8 @@ class HwmonCollector:
     def collect(self) -> Iterator[Metric]:
         """Yield the temperature and critical-temperature families."""
         self._rediscovery.run_if_due()
-        temp = GaugeMetricFamily(
-            "gpufleet_host_temperature_celsius", "Host temperature.", labels=["chip", "sensor"]
-        )
-        crit = GaugeMetricFamily(
-            "gpufleet_host_temperature_critical_celsius",
-            "Critical temperature: the chip's own (source hwmon), else the roster's (roster), "
-            "else a known default for the chip (default).",
-            labels=["chip", "sensor", "source"],
-        )
+        temp = catalogue.gauge("gpufleet_host_temperature_celsius")
+        crit = catalogue.gauge("gpufleet_host_temperature_critical_celsius")
         for s in self._sensors:
             labels = (s.chip, s.sensor)
             # Documentation/hwmon/sysfs-interface.rst: temp*_input is in millidegrees Celsius.

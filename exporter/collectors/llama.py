@@ -31,9 +31,9 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
+from exporter.collectors import catalogue
 from exporter.collectors.base import CollectorError
 from exporter.roster import Server
 from exporter.sources.http_client import Answer, Outcome, call, read_secret
@@ -85,70 +85,23 @@ class _Families:
     """The families of one scrape, filled server by server."""
 
     def __init__(self) -> None:
-        s, ss = ["server"], ["server", "state"]
-        self.up = GaugeMetricFamily("gpufleet_llama_up", "1 when /health answered 200.", labels=s)
-        self.health = GaugeMetricFamily(
-            "gpufleet_llama_health",
-            "/health's answer: ok, loading (503), error, unreachable (refused), timeout.",
-            labels=ss,
-        )
-        self.info = GaugeMetricFamily(
-            "gpufleet_llama_info",
-            "The server's identity: roster role and model, llama-server's alias and build.",
-            labels=["server", "role", "model", "alias", "build"],
-        )
-        self.endpoint = GaugeMetricFamily(
-            "gpufleet_llama_endpoint",
-            "State of /metrics, /slots and /props: ok, busy (timed out), disabled, error.",
-            labels=["server", "endpoint", "state"],
-        )
-        self.slots = GaugeMetricFamily("gpufleet_llama_slots", "Slots by state.", labels=ss)
-        self.context = GaugeMetricFamily(
-            "gpufleet_llama_context_tokens", "Context size per slot, in tokens.", labels=s
-        )
-        self.processing = GaugeMetricFamily(
-            "gpufleet_llama_requests_processing", "Requests being processed.", labels=s
-        )
-        self.deferred = GaugeMetricFamily(
-            "gpufleet_llama_requests_deferred", "Requests waiting for a free slot.", labels=s
-        )
-        self.decode = CounterMetricFamily(
-            "gpufleet_llama_decode_calls",
-            "llama_decode() calls: moves during generation.",
-            labels=s,
-        )
-        self.prompt_tokens = CounterMetricFamily(
-            "gpufleet_llama_prompt_tokens",
-            "Prompt tokens processed (moves when requests finish).",
-            labels=s,
-        )
-        self.predicted_tokens = CounterMetricFamily(
-            "gpufleet_llama_predicted_tokens",
-            "Tokens generated (moves when requests finish).",
-            labels=s,
-        )
-        self.prompt_seconds = CounterMetricFamily(
-            "gpufleet_llama_prompt_seconds", "Time spent processing prompts.", labels=s
-        )
-        self.predicted_seconds = CounterMetricFamily(
-            "gpufleet_llama_predicted_seconds", "Time spent generating tokens.", labels=s
-        )
-        slot = ["server", "slot"]
-        self.decoded = GaugeMetricFamily(
-            "gpufleet_llama_slot_decoded_tokens",
-            "Tokens decoded so far by the busy slot's request.",
-            labels=slot,
-        )
-        self.limit = GaugeMetricFamily(
-            "gpufleet_llama_slot_predict_limit",
-            "The busy slot's request's n_predict; +Inf when it has no cap.",
-            labels=slot,
-        )
-        self.age = GaugeMetricFamily(
-            "gpufleet_llama_slot_task_age_seconds",
-            "How long the busy slot's task has run, since the exporter first saw it.",
-            labels=slot,
-        )
+        _s, _ss = ["server"], ["server", "state"]
+        self.up = catalogue.gauge("gpufleet_llama_up")
+        self.health = catalogue.gauge("gpufleet_llama_health")
+        self.info = catalogue.gauge("gpufleet_llama_info")
+        self.endpoint = catalogue.gauge("gpufleet_llama_endpoint")
+        self.slots = catalogue.gauge("gpufleet_llama_slots")
+        self.context = catalogue.gauge("gpufleet_llama_context_tokens")
+        self.processing = catalogue.gauge("gpufleet_llama_requests_processing")
+        self.deferred = catalogue.gauge("gpufleet_llama_requests_deferred")
+        self.decode = catalogue.counter("gpufleet_llama_decode_calls_total")
+        self.prompt_tokens = catalogue.counter("gpufleet_llama_prompt_tokens_total")
+        self.predicted_tokens = catalogue.counter("gpufleet_llama_predicted_tokens_total")
+        self.prompt_seconds = catalogue.counter("gpufleet_llama_prompt_seconds_total")
+        self.predicted_seconds = catalogue.counter("gpufleet_llama_predicted_seconds_total")
+        self.decoded = catalogue.gauge("gpufleet_llama_slot_decoded_tokens")
+        self.limit = catalogue.gauge("gpufleet_llama_slot_predict_limit")
+        self.age = catalogue.gauge("gpufleet_llama_slot_task_age_seconds")
 
     def all(self) -> list[Metric]:
         return [

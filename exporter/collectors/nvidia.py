@@ -52,9 +52,9 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 import pynvml
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
+from exporter.collectors import catalogue
 from exporter.collectors.base import CollectorError
 from exporter.collectors.server_memory import GpuProcesses
 from exporter.gpu_index import GpuIndex, normalize_pci_bus_id
@@ -100,63 +100,34 @@ _RETIREMENT_CAUSES = (
 )
 
 
-@dataclass(frozen=True)
-class _Spec:
-    counter: bool
-    help: str
-    labels: tuple[str, ...]  # after `gpu`
-
-
-# Per-device families, in exposition order. Counters are named without `_total`, which
-# prometheus_client appends to the sample.
-_SPECS: dict[str, _Spec] = {
-    "gpufleet_gpu_utilization_ratio": _Spec(
-        False, "Share of the last sample period in which a kernel ran (NVML).", ()
-    ),
-    "gpufleet_gpu_memory_utilization_ratio": _Spec(
-        False, "Share of the last sample period in which device memory was accessed.", ()
-    ),
-    "gpufleet_gpu_memory_used_bytes": _Spec(
-        False,
-        "GPU memory in use, by pool (NVIDIA: vram allocated, reserved by the driver).",
-        ("pool",),
-    ),
-    "gpufleet_gpu_memory_total_bytes": _Spec(False, "GPU memory size, by pool.", ("pool",)),
-    "gpufleet_gpu_temperature_celsius": _Spec(False, "GPU temperature, by sensor.", ("sensor",)),
-    "gpufleet_gpu_temperature_critical_celsius": _Spec(
-        False, "The hardware's critical temperature (NVIDIA: shutdown / memory max).", ("sensor",)
-    ),
-    "gpufleet_gpu_temperature_slowdown_celsius": _Spec(
-        False, "Temperature at which the hardware slows its clocks.", ("sensor",)
-    ),
-    "gpufleet_gpu_power_watts": _Spec(False, "Power draw.", ()),
-    "gpufleet_gpu_power_limit_watts": _Spec(
-        False, "Power limits: current (enforced), default, min, max.", ("kind",)
-    ),
-    "gpufleet_gpu_energy_joules": _Spec(True, "Energy used since the driver loaded.", ()),
-    "gpufleet_gpu_fan_speed_ratio": _Spec(False, "Intended fan speed, 0-1.", ()),
-    "gpufleet_gpu_clock_hertz": _Spec(False, "Current clock frequency.", ("clock",)),
-    "gpufleet_gpu_clock_max_hertz": _Spec(False, "Maximum clock frequency.", ("clock",)),
-    "gpufleet_gpu_throttle_active": _Spec(
-        False, "1 while the clock-event (throttle) reason holds clocks down.", ("reason",)
-    ),
-    "gpufleet_gpu_pcie_link_generation": _Spec(False, "Current PCIe link generation.", ()),
-    "gpufleet_gpu_pcie_link_width": _Spec(False, "Current PCIe link width (lanes).", ()),
-    "gpufleet_gpu_pcie_replay_errors": _Spec(True, "PCIe replays.", ()),
-    "gpufleet_gpu_ecc_errors": _Spec(True, "ECC errors, lifetime (aggregate).", ("kind",)),
-    "gpufleet_gpu_retired_pages": _Spec(False, "Retired memory pages, by cause.", ("cause",)),
-    "gpufleet_gpu_retired_pages_pending": _Spec(
-        False, "1 when a page retirement waits for the next driver reload.", ()
-    ),
-    "gpufleet_gpu_remapped_rows": _Spec(False, "Remapped memory rows, by kind.", ("kind",)),
-    "gpufleet_gpu_remapped_rows_pending": _Spec(
-        False, "1 when a row remapping waits for a GPU reset.", ()
-    ),
-    "gpufleet_gpu_remapped_rows_failed": _Spec(
-        False, "1 when a row remapping failed (the GPU needs service).", ()
-    ),
-    "gpufleet_gpu_compute_mode": _Spec(False, "1 for the GPU's NVML compute mode.", ("mode",)),
-}
+# Per-device families, in exposition order; names, help and labels are the catalogue's
+# (exporter/collectors/catalogue.py), whose first label is `gpu`.
+_DEVICE_FAMILIES: tuple[str, ...] = (
+    "gpufleet_gpu_utilization_ratio",
+    "gpufleet_gpu_memory_utilization_ratio",
+    "gpufleet_gpu_memory_used_bytes",
+    "gpufleet_gpu_memory_total_bytes",
+    "gpufleet_gpu_temperature_celsius",
+    "gpufleet_gpu_temperature_critical_celsius",
+    "gpufleet_gpu_temperature_slowdown_celsius",
+    "gpufleet_gpu_power_watts",
+    "gpufleet_gpu_power_limit_watts",
+    "gpufleet_gpu_energy_joules_total",
+    "gpufleet_gpu_fan_speed_ratio",
+    "gpufleet_gpu_clock_hertz",
+    "gpufleet_gpu_clock_max_hertz",
+    "gpufleet_gpu_throttle_active",
+    "gpufleet_gpu_pcie_link_generation",
+    "gpufleet_gpu_pcie_link_width",
+    "gpufleet_gpu_pcie_replay_errors_total",
+    "gpufleet_gpu_ecc_errors_total",
+    "gpufleet_gpu_retired_pages",
+    "gpufleet_gpu_retired_pages_pending",
+    "gpufleet_gpu_remapped_rows",
+    "gpufleet_gpu_remapped_rows_pending",
+    "gpufleet_gpu_remapped_rows_failed",
+    "gpufleet_gpu_compute_mode",
+)
 
 
 class _DeviceDown(Exception):
@@ -420,36 +391,12 @@ class NvidiaCollector:
                 for d in self._devices.values()
             )
             xids = {bus_id: dict(counts) for bus_id, counts in self._xids.items()}
-        info = GaugeMetricFamily(
-            "gpufleet_gpu_info",
-            "GPU identity; the value is 1.",
-            labels=["gpu", "uuid", "pci_bus_id", "vendor", "model", "pci_id", "card", "vbios"],
-        )
-        up = GaugeMetricFamily(
-            "gpufleet_gpu_up",
-            "1 when the GPU was read, 0 when read and lost or erroring; absent when not read.",
-            labels=["gpu"],
-        )
-        read_timeout = GaugeMetricFamily(
-            "gpufleet_gpu_read_timeout",
-            "1 when reading the GPU did not finish within the collector's deadline (its call "
-            "hangs), 0 when it was read this scrape; absent when it was not reached.",
-            labels=["gpu"],
-        )
-        per_device: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
-            name: (CounterMetricFamily if spec.counter else GaugeMetricFamily)(
-                name, spec.help, labels=["gpu", *spec.labels]
-            )
-            for name, spec in _SPECS.items()
-        }
-        expected_mode = GaugeMetricFamily(
-            "gpufleet_gpu_compute_mode_expected",
-            "1 for the compute mode the roster expects.",
-            labels=["gpu", "mode"],
-        )
-        xid = CounterMetricFamily(
-            "gpufleet_gpu_xid_errors", "Xid errors reported by the driver.", labels=["gpu", "xid"]
-        )
+        info = catalogue.gauge("gpufleet_gpu_info")
+        up = catalogue.gauge("gpufleet_gpu_up")
+        read_timeout = catalogue.gauge("gpufleet_gpu_read_timeout")
+        per_device = {name: catalogue.scalar(name) for name in _DEVICE_FAMILIES}
+        expected_mode = catalogue.gauge("gpufleet_gpu_compute_mode_expected")
+        xid = catalogue.counter("gpufleet_gpu_xid_errors_total")
         gpus_up = unread = 0
         for index, ident in devices:
             gpu = str(index)
@@ -480,15 +427,9 @@ class NvidiaCollector:
                 xid.add_metric([gpu, str(code)], count)
         families: list[Metric] = [info, up, read_timeout]
         if self._expected is not None:
-            expected = GaugeMetricFamily(
-                "gpufleet_gpus_expected", "GPUs the roster expects.", labels=["vendor"]
-            )
+            expected = catalogue.gauge("gpufleet_gpus_expected")
             expected.add_metric([VENDOR], self._expected)
-            lost = GaugeMetricFamily(
-                "gpufleet_gpus_lost",
-                "Expected GPUs that are missing or down (GPUs not read this scrape excluded).",
-                labels=["vendor"],
-            )
+            lost = catalogue.gauge("gpufleet_gpus_lost")
             lost.add_metric([VENDOR], max(0, self._expected - gpus_up - unread))
             families += [expected, lost]
         families += [*per_device.values(), expected_mode, xid]
@@ -847,7 +788,7 @@ class NvidiaCollector:
             r.add("gpufleet_gpu_pcie_link_width", (), width)
         replays = r.get(nvml.nvmlDeviceGetPcieReplayCounter, h)
         if replays is not None:
-            r.add("gpufleet_gpu_pcie_replay_errors", (), replays)
+            r.add("gpufleet_gpu_pcie_replay_errors_total", (), replays)
 
         self._read_memory_health(r)
 
@@ -935,7 +876,7 @@ class NvidiaCollector:
                 r.add("gpufleet_gpu_power_limit_watts", (kind,), milliwatts / 1000)
         energy = r.get(nvml.nvmlDeviceGetTotalEnergyConsumption, h)
         if energy is not None:
-            r.add("gpufleet_gpu_energy_joules", (), energy / 1000)
+            r.add("gpufleet_gpu_energy_joules_total", (), energy / 1000)
 
     def _read_memory_health(self, r: _DeviceRead) -> None:
         nvml, h = self._nvml, r.device.handle
@@ -944,7 +885,7 @@ class NvidiaCollector:
             aggregate = pynvml.NVML_AGGREGATE_ECC
             count = r.get(nvml.nvmlDeviceGetTotalEccErrors, h, error_type, aggregate)
             if count is not None:
-                r.add("gpufleet_gpu_ecc_errors", (kind,), count)
+                r.add("gpufleet_gpu_ecc_errors_total", (kind,), count)
         # Page retirement is pre-Ampere; Ampere and newer remap rows instead and answer
         # NOT_SUPPORTED here (and the other way round on older boards).
         for cause, source in _RETIREMENT_CAUSES:

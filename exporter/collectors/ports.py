@@ -54,9 +54,9 @@ import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
-from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
+from exporter.collectors import catalogue
 from exporter.collectors.base import CollectorError
 from exporter.roster import Server
 from exporter.sources.procnet import (
@@ -134,23 +134,9 @@ class PortsCollector:
 
     def collect(self) -> Iterator[Metric]:
         """Yield the ghost and listener families; raise `CollectorError` after them on trouble."""
-        ghost = GaugeMetricFamily(
-            "gpufleet_port_ghost",
-            "1 when a process other than the server's unit listens on its port (or anything "
-            "listens while the unit is not running), 0 when clean; absent when unknown.",
-            labels=["server", "port"],
-        )
-        info = GaugeMetricFamily(
-            "gpufleet_port_listener_info",
-            "1 for each process name listening on a roster server's port.",
-            labels=["port", "comm"],
-        )
-        pid_of = GaugeMetricFamily(
-            "gpufleet_port_listener_pid",
-            "The pid of a process listening on a roster server's port (the lowest, when "
-            "several of that name hold it).",
-            labels=["port", "comm"],
-        )
+        ghost = catalogue.gauge("gpufleet_port_ghost")
+        info = catalogue.gauge("gpufleet_port_listener_info")
+        pid_of = catalogue.gauge("gpufleet_port_listener_pid")
         try:
             check = self._check()
         except ProcNetError as exc:

@@ -15,10 +15,10 @@ import platform
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
 from exporter import __version__
+from exporter.collectors import catalogue
 
 
 @dataclass(frozen=True)
@@ -32,25 +32,13 @@ class CollectorOutcome:
 
 def self_metrics(outcomes: Sequence[CollectorOutcome]) -> Iterator[Metric]:
     """The exporter's own families for one scrape."""
-    success = GaugeMetricFamily(
-        "gpufleet_exporter_collector_success",
-        "1 when the collector read its whole source in this scrape, 0 when part of it failed.",
-        labels=["collector"],
-    )
-    duration = GaugeMetricFamily(
-        "gpufleet_exporter_collector_duration_seconds",
-        "Time the collector took in this scrape.",
-        labels=["collector"],
-    )
+    success = catalogue.gauge("gpufleet_exporter_collector_success")
+    duration = catalogue.gauge("gpufleet_exporter_collector_duration_seconds")
     for outcome in outcomes:
         success.add_metric([outcome.name], 1.0 if outcome.success else 0.0)
         duration.add_metric([outcome.name], outcome.duration_seconds)
     yield success
     yield duration
-    build = GaugeMetricFamily(
-        "gpufleet_exporter_build_info",
-        "The exporter's version and the Python running it.",
-        labels=["version", "python_version"],
-    )
+    build = catalogue.gauge("gpufleet_exporter_build_info")
     build.add_metric([__version__, platform.python_version()], 1.0)
     yield build

@@ -41,9 +41,9 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
+from exporter.collectors import catalogue
 from exporter.collectors.base import CollectorError
 from exporter.gpu_index import GpuIndex
 from exporter.roster import Server
@@ -176,19 +176,11 @@ class ServerMemoryCollector:
             if roster_gpu is not None and str(roster_gpu) in tally.known:
                 tally.by_server.setdefault((name, str(roster_gpu)), 0)
 
-        served = GaugeMetricFamily(
-            "gpufleet_server_gpu_memory_bytes",
-            "GPU memory held by the processes of a model server's unit.",
-            labels=["server", "gpu"],
-        )
+        served = catalogue.gauge("gpufleet_server_gpu_memory_bytes")
         for (server, gpu), used in sorted(tally.by_server.items()):
             if gpu in tally.known and server not in tally.unknown_servers.get(gpu, ()):
                 served.add_metric([server, gpu], used)
-        other = GaugeMetricFamily(
-            "gpufleet_gpu_unowned_memory_bytes",
-            "GPU memory held by processes that belong to no roster server.",
-            labels=["gpu"],
-        )
+        other = catalogue.gauge("gpufleet_gpu_unowned_memory_bytes")
         for gpu, used in sorted(tally.unowned.items()):
             if gpu not in tally.unknown_unowned:
                 other.add_metric([gpu], used)

@@ -52,9 +52,9 @@ import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
+from exporter.collectors import catalogue
 from exporter.collectors.base import CollectorError
 from exporter.roster import Server
 from exporter.sources.systemd import SystemdError, UnitsReader, UnitStatus, monotonic_to_unix
@@ -120,60 +120,17 @@ class _Families:
     """The families of one scrape, filled server by server."""
 
     def __init__(self) -> None:
-        su = ["server", "unit"]
-        self.active = GaugeMetricFamily(
-            "gpufleet_unit_active", "1 when the unit's ActiveState is active.", labels=su
-        )
-        self.state = GaugeMetricFamily(
-            "gpufleet_unit_state",
-            "1 for the unit's ActiveState (active, reloading, inactive, failed, activating, "
-            "deactivating), 0 for the others.",
-            labels=["server", "unit", "state"],
-        )
-        self.sub_state = GaugeMetricFamily(
-            "gpufleet_unit_sub_state_info",
-            "The unit's SubState (running, auto-restart, failed...); the value is 1.",
-            labels=["server", "unit", "sub_state"],
-        )
-        self.restarts = CounterMetricFamily(
-            "gpufleet_unit_restarts",
-            # systemd flushes the count at the first start after the unit stopped without
-            # restarting, and on reset-failed (service.c, flush_n_restarts): a counter reset.
-            "Automatic restarts of the unit (NRestarts; back to 0 on a start after a stop).",
-            labels=su,
-        )
-        self.main_pid = GaugeMetricFamily(
-            "gpufleet_unit_main_pid", "PID of the unit's main process (MainPID).", labels=su
-        )
-        self.state_change = GaugeMetricFamily(
-            "gpufleet_unit_state_change_timestamp_seconds",
-            "Unix time the unit entered its current state (StateChangeTimestamp).",
-            labels=su,
-        )
-        self.loaded = GaugeMetricFamily(
-            "gpufleet_unit_loaded",
-            "1 when the unit's LoadState is loaded; 0 e.g. not-found: no such unit on the host.",
-            labels=su,
-        )
-        s = ["server"]
-        self.rss = GaugeMetricFamily(
-            "gpufleet_server_process_resident_memory_bytes",
-            "Resident memory of the server's main process (VmRSS).",
-            labels=s,
-        )
-        self.cpu = CounterMetricFamily(
-            "gpufleet_server_process_cpu_seconds",
-            "User and system CPU time of the server's main process.",
-            labels=s,
-        )
-        self.threads = GaugeMetricFamily(
-            "gpufleet_server_process_threads", "Threads of the server's main process.", labels=s
-        )
-        self.start_time = GaugeMetricFamily(
-            "gpufleet_server_process_start_time_seconds",
-            "Unix time the server's main process started.",
-            labels=s,
-        )
+        self.active = catalogue.gauge("gpufleet_unit_active")
+        self.state = catalogue.gauge("gpufleet_unit_state")
+        self.sub_state = catalogue.gauge("gpufleet_unit_sub_state_info")
+        self.restarts = catalogue.counter("gpufleet_unit_restarts_total")
+        self.main_pid = catalogue.gauge("gpufleet_unit_main_pid")
+        self.state_change = catalogue.gauge("gpufleet_unit_state_change_timestamp_seconds")
+        self.loaded = catalogue.gauge("gpufleet_unit_loaded")
+        self.rss = catalogue.gauge("gpufleet_server_process_resident_memory_bytes")
+        self.cpu = catalogue.counter("gpufleet_server_process_cpu_seconds_total")
+        self.threads = catalogue.gauge("gpufleet_server_process_threads")
+        self.start_time = catalogue.gauge("gpufleet_server_process_start_time_seconds")
 
     def all(self) -> list[Metric]:
         return [

@@ -56,6 +56,7 @@ from remediator.journal.schema import (
     maintenance,
     notifications,
     outbox,
+    run_targets,
     runs,
     steps,
     target_breakers,
@@ -174,6 +175,8 @@ class Journal(Admissions, Rails, Leases):
             has_run = sa.exists().where(runs.c.alert_id == alerts.c.id)
             deletes = [
                 sa.delete(steps).where(steps.c.run_id.in_(old_runs)),
+                # Explicitly, not by the cascade: rows a cascade deletes are not in rowcount.
+                sa.delete(run_targets).where(run_targets.c.run_id.in_(old_runs)),
                 sa.delete(runs).where(runs.c.id.in_(old_runs)),
                 sa.delete(alerts).where(
                     alerts.c.status == "resolved", alerts.c.last_seen < cutoff, ~has_run

@@ -29,7 +29,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
@@ -101,8 +101,9 @@ class MetricsEndpoint:
 class PrometheusServer:
     """One real Prometheus process scraping `scrape_targets` as job `lab`.
 
-    `labels` are added to every target (as file_sd would add `host`). `url` is the base URL of
-    its HTTP API. Leaving the context always stops it (SIGTERM, SIGKILL after `grace` seconds).
+    `labels` are added to every target (as file_sd would add `host`); `rule_files` are
+    evaluated every `scrape_interval`. `url` is the base URL of its HTTP API. Leaving the
+    context always stops it (SIGTERM, SIGKILL after `grace` seconds).
     """
 
     def __init__(
@@ -114,8 +115,10 @@ class PrometheusServer:
         labels: Mapping[str, str] | None = None,
         job: str = "lab",
         grace: float = 5.0,
+        rule_files: Sequence[Path] = (),
     ) -> None:
         self.directory = Path(tmp_path) / f"prometheus-{free_port()}"
+        self.rule_files = [str(path) for path in rule_files]
         self.scrape_targets = list(scrape_targets)
         self.scrape_interval = scrape_interval
         self.labels = dict(labels or {})
@@ -146,6 +149,7 @@ class PrometheusServer:
             "scrape_configs": [{"job_name": self.job, "static_configs": [static]}]
             if self.scrape_targets
             else [],
+            "rule_files": self.rule_files,
         }
 
     def start(self, timeout: float = 30.0) -> PrometheusServer:

@@ -1,0 +1,82 @@
+"""Whether an alert still fires, asked of a real Prometheus (remediator/firing.py).
+
+Prometheus evaluates a real rule over a metric the test switches; the check must follow
+`ALERTS` (with the alert's extra labels, as external labels add them, still matching), fall
+back to the journal for an alert this Prometheus does not evaluate or when it is down, and the
+engine must end a run whose alert Prometheus no longer fires as `resolved`, touching nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from remediator.firing import FiringCheck
+from tests.prometheus_lab import MetricsEndpoint, PrometheusServer
+from tests.test_remediator import firing, make_lab
+
+RULES = """\
+groups:
+  - name: lab
+    rules:
+      - alert: LlamaServerDown
+        expr: lab_fault == 1
+        labels: {severity: critical, category: inference}
+"""
+LABELS = {"alertname": "LlamaServerDown", "host": "dioscuri", "server": "alpha",
+          "severity": "critical", "category": "inference"}  # fmt: skip
+FAULT = 'lab_fault{host="dioscuri",server="alpha"} %d\n'
+
+
+@pytest.fixture
+def lab_prometheus(tmp_path: Path) -> Iterator[tuple[MetricsEndpoint, PrometheusServer]]:
+    rules = tmp_path / "rules.yml"
+    rules.write_text(RULES)
+    with (
+        MetricsEndpoint(FAULT % 1) as endpoint,
+        PrometheusServer(tmp_path, [endpoint.target], rule_files=[rules]) as prometheus,
+    ):
+        prometheus.wait_for('ALERTS{alertname="LlamaServerDown",alertstate="firing"}')
+        yield endpoint, prometheus
+
+
+def test_the_check_follows_prometheus_and_falls_back_to_the_journal(
+    lab_prometheus: tuple[MetricsEndpoint, PrometheusServer],
+) -> None:
+    endpoint, prometheus = lab_prometheus
+    check = FiringCheck(prometheus.url)
+    # The notification carries labels ALERTS lacks (an external label): still a match.
+    sent = {**LABELS, "cluster": "lab", "job": "lab", "instance": endpoint.target}
+    answer = check.check(sent, journal_firing=False)
+    assert (answer.firing, answer.source) == (True, "prometheus")
+    other = check.check({**sent, "server": "beta"}, journal_firing=True)
+    assert (other.firing, other.source) == (False, "prometheus")  # not that server's alert
+    endpoint.set(FAULT % 0)
+    prometheus.wait_for('absent(ALERTS{alertname="LlamaServerDown"})')
+    answer = check.check(sent, journal_firing=True)
+    assert (answer.firing, answer.source) == (False, "prometheus")
+    unknown = check.check({**sent, "alertname": "NotARuleHere"}, journal_firing=True)
+    assert (unknown.firing, unknown.source) == (True, "journal")
+    assert "evaluates no rule" in unknown.detail
+    prometheus.stop()
+    down = FiringCheck(prometheus.url).check(sent, journal_firing=True)
+    assert (down.firing, down.source) == (True, "journal")
+    assert "unreachable" in down.detail
+
+
+def test_a_run_whose_alert_prometheus_no_longer_fires_touches_nothing(
+    tmp_path: Path, lab_prometheus: tuple[MetricsEndpoint, PrometheusServer]
+) -> None:
+    endpoint, prometheus = lab_prometheus
+    endpoint.set(FAULT % 0)
+    prometheus.wait_for('absent(ALERTS{alertname="LlamaServerDown"})')
+    # Alertmanager has not sent the resolution yet: the journal still says firing.
+    (tmp_path / "remediator").mkdir()
+    for lab in make_lab(tmp_path / "remediator", prometheus_url=prometheus.url):
+        assert lab.post(firing(fingerprint="a" * 16)).status_code == 200
+        lab.process()
+        [run] = lab.runs()
+        assert run["decision"] == "resolved" and "no longer firing in Prometheus" in run["reason"]
+        assert lab.alpha.count("/health") == 0 and lab.alpha.count("/restart") == 0

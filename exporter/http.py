@@ -1,28 +1,40 @@
 """Serving the exporter over HTTP: `/metrics`, a landing page on `/`, 404 elsewhere.
 
 The text format comes from `exporter.exposition` (gzip when the scraper asks for it), served by
-`prometheus_client`'s threading WSGI server, so a slow scraper cannot block a second one.
+a bounded front (`_BoundedServer`): one thread accepts every connection, does its TLS handshake
+and reads its request head without blocking, under one deadline per connection
+(`READ_TIMEOUT_SECONDS` from accept to the last request byte, handshake included) and a cap on
+connections (`MAX_CONNECTIONS`; when full, the one that has waited longest for its head goes);
+a few worker threads answer complete requests, with timeouts on every read and write. So idle
+connections cost no thread, a slow client (slowloris) is cut at its deadline, and `/metrics`
+answers while they are open; a slow scraper cannot block a second one.
 
 With a web config (`exporter.webconfig`, `--web.config.file`): TLS on the listening socket, the
-handshake done in the connection's own thread (a client that never finishes one cannot stall
-the accept loop), the context re-read when its files change; basic auth on every path; the
-file's extra headers on every response, 401 and 404 included.
+context re-read when its files change; basic auth on every path; the file's extra headers on
+every response, 401 and 404 included.
+
+Check by hand: `for i in $(seq 300); do exec {fd}<>/dev/tcp/127.0.0.1/9445; done` in one shell,
+`curl -s 127.0.0.1:9445/metrics | head -1` in another, and `ls /proc/$(pidof -s python3)/task`.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import gzip
+import io
 import logging
+import selectors
 import socket
 import ssl
 import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
-from wsgiref.simple_server import WSGIRequestHandler, make_server
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 from wsgiref.types import StartResponse, WSGIApplication, WSGIEnvironment
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.exposition import ThreadingWSGIServer
 
 from exporter import __version__
 from exporter.exposition import CONTENT_TYPE, TextWriter
@@ -37,7 +49,7 @@ from exporter.webconfig import (
 if TYPE_CHECKING:
     from socket import _RetAddress
 
-    from _typeshed import OptExcInfo
+    from _typeshed import OptExcInfo, ReadableBuffer, WriteableBuffer
 
 log = logging.getLogger(__name__)
 
@@ -79,56 +91,321 @@ _PLAIN_HTTP_ON_TLS = (
 )
 _TLS_HANDSHAKE_RECORD = 0x16
 
-
-def _start_tls(
-    sock: socket.socket, tls: TLSContextProvider, peer: _RetAddress
-) -> ssl.SSLSocket | None:
-    """The connection after a successful handshake, or None (the caller closes `sock`)."""
-    sock.settimeout(HANDSHAKE_TIMEOUT_SECONDS)
-    try:
-        first = sock.recv(1, socket.MSG_PEEK)
-        if not first:
-            return None
-        if first[0] != _TLS_HANDSHAKE_RECORD:
-            if first.isalpha():  # a request line: "GET /metrics HTTP/1.1"
-                sock.recv(65536)  # read it, so closing does not reset before the answer
-                sock.sendall(_PLAIN_HTTP_ON_TLS)
-            return None
-        conn = tls.context().wrap_socket(sock, server_side=True)
-    except OSError as exc:  # ssl.SSLError included: a bad handshake, a missing client cert
-        log.debug("TLS connection from %s refused: %s", peer, exc)
-        return None
-    conn.settimeout(None)  # as plain HTTP connections: blocking
-    return conn
+# The front's bounds (MetricsServer's defaults). A scrape sends a few hundred bytes of request
+# at once; 10 s from the connection's accept to its last request byte is generous for it and
+# is the longest an idle or trickling client (slowloris) can hold a connection slot, the TLS
+# handshake included. The answer must be taken within its own limit.
+READ_TIMEOUT_SECONDS = HANDSHAKE_TIMEOUT_SECONDS
+WRITE_TIMEOUT_SECONDS = 30.0
+MAX_CONNECTIONS = 256
+WORKERS = 4
+MAX_HEAD_BYTES = 64 * 1024  # request line and headers (Go's net/http allows 1 MiB, wsgiref 64 KiB)
 
 
-def _server_class(
-    host: str, port: int, tls: TLSContextProvider | None = None
-) -> type[ThreadingWSGIServer]:
-    # Pick IPv4 or IPv6 from the address itself, so `[::1]:9445` works as well as 127.0.0.1.
-    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+class _Pending:
+    """A connection whose request head is still arriving, watched by the front's selector."""
 
-    class Server(ThreadingWSGIServer):
-        address_family = family
+    __slots__ = ("deadline", "head", "peer", "sock", "state")
 
-        # A TCP server hands this a socket; the stub's wider type (datagrams too) is not ours.
-        def finish_request(  # type: ignore[override]
-            self, request: socket.socket, client_address: _RetAddress
-        ) -> None:
-            # Runs in the connection's thread (ThreadingMixIn), so the handshake does too.
-            if tls is None:
-                super().finish_request(request, client_address)
-                return
-            conn = _start_tls(request, tls, client_address)
-            if conn is None:
-                return
+    def __init__(self, sock: socket.socket, peer: _RetAddress, deadline: float, state: str):
+        self.sock = sock
+        self.peer = peer
+        self.deadline = deadline
+        self.head = bytearray()
+        self.state = state  # "peek" (TLS port, nothing read), "handshake", "head"
+
+
+class _DeadlineReader(io.RawIOBase):
+    """The request's bytes: the head already read, then the socket until the read deadline.
+
+    Each read gets the time that is left, so a body trickling in byte by byte is cut at the
+    deadline like a slow head, not after one timeout per byte.
+    """
+
+    def __init__(self, sock: socket.socket, head: bytes, deadline: float) -> None:
+        self._sock = sock
+        self._head = memoryview(head)
+        self._deadline = deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: WriteableBuffer) -> int:
+        out = memoryview(buffer).cast("B")
+        if self._head:
+            n = min(len(out), len(self._head))
+            out[:n] = self._head[:n]
+            self._head = self._head[n:]
+            return n
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the request was not read within its deadline")
+        self._sock.settimeout(left)
+        return self._sock.recv_into(out)
+
+
+class _TimedWriter(io.BufferedIOBase):
+    """Writes the answer with `sendall` under a timeout (the total for each write)."""
+
+    def __init__(self, sock: socket.socket, timeout: float) -> None:
+        self._sock = sock
+        self._timeout = timeout
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: ReadableBuffer) -> int:
+        self._sock.settimeout(self._timeout)
+        self._sock.sendall(data)
+        with memoryview(data) as view:
+            return view.nbytes
+
+
+class _Handler(_QuietHandler):
+    """wsgiref's handler on a connection the front has read the head of."""
+
+    server: _BoundedServer
+
+    def __init__(self, pending: _Pending, server: _BoundedServer) -> None:
+        self._pending = pending  # before the base class's __init__, which runs the request
+        super().__init__(pending.sock, pending.peer, server)
+
+    def setup(self) -> None:
+        pending = self._pending
+        self.connection = pending.sock
+        self.rfile = io.BufferedReader(
+            _DeadlineReader(pending.sock, bytes(pending.head), pending.deadline)
+        )
+        self.wfile = _TimedWriter(pending.sock, self.server.write_timeout)
+
+
+def _close(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        sock.close()
+
+
+class _BoundedServer(WSGIServer):
+    """The bounded HTTP front: one selector thread for every connection's head, a few workers.
+
+    - Accepting, the TLS handshake and reading the request head happen without blocking on one
+      thread (`http-front`): an idle or slow client costs a socket, never a thread.
+    - A connection must have sent its whole request (head and body) within `read_timeout` of
+      being accepted, the TLS handshake included, or it is closed.
+    - At most `max_connections` at once; when full, the connection that has waited longest
+      for its head is closed to make room, so a flood of idle connections cannot lock a scraper
+      out (a scraper sends its request at once).
+    - A complete request goes to one of `workers` threads, which runs the WSGI app with the
+      socket under timeouts (after a TLS handshake too: never blocking without one).
+    """
+
+    request_queue_size = 128  # the listen backlog (socketserver's default is 5)
+
+    def __init__(
+        self,
+        address: tuple[str, int],
+        family: socket.AddressFamily,
+        app: WSGIApplication,
+        *,
+        tls: TLSContextProvider | None,
+        read_timeout: float,
+        write_timeout: float,
+        max_connections: int,
+        workers: int,
+    ) -> None:
+        self.address_family = family
+        # The handler class is socketserver's to call; the front builds `_Handler`s itself.
+        super().__init__(address, _QuietHandler)
+        self.set_app(app)
+        self.socket.setblocking(False)
+        self.tls = tls
+        self.read_timeout = read_timeout
+        self.write_timeout = write_timeout
+        self.max_connections = max_connections
+        self._pending: dict[socket.socket, _Pending] = {}  # the front thread's own
+        self._in_flight = 0  # handed to workers, not yet closed
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._selector = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._selector.register(self.socket, selectors.EVENT_READ, "accept")
+        self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self._workers = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="http")
+
+    # -- the front thread -----------------------------------------------------------------
+
+    def run(self) -> None:
+        """The front's loop, until `stop()`."""
+        try:
+            while not self._stopping.is_set():
+                for key, events in self._selector.select(self._wait()):
+                    del events
+                    if isinstance(key.data, _Pending):
+                        self._advance(key.data)
+                    elif key.data == "accept":
+                        self._accept()
+                    else:  # "wake": stop() was called
+                        with contextlib.suppress(OSError):
+                            self._wake_r.recv(64)
+                self._expire()
+        finally:
+            for pending in list(self._pending.values()):
+                self._drop(pending)
+            self._selector.close()
+
+    def _wait(self) -> float:
+        if not self._pending:
+            return 1.0
+        soonest = min(p.deadline for p in self._pending.values())
+        return max(0.0, min(1.0, soonest - time.monotonic()))
+
+    def _accept(self) -> None:
+        while True:
             try:
-                super().finish_request(conn, client_address)
-            finally:
-                # `request` was detached into `conn`: the caller's close cannot reach it.
-                self.shutdown_request(conn)
+                sock, peer = self.socket.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # EMFILE and friends: try again on the next wake-up
+                log.warning("cannot accept a connection: %s", exc)
+                return
+            sock.setblocking(False)
+            with self._lock:
+                full = len(self._pending) + self._in_flight >= self.max_connections
+            if full and self._pending:
+                # The one that has waited longest for its head (dicts keep accept order).
+                self._drop(next(iter(self._pending.values())))
+            elif full:
+                _close(sock)  # every slot is a request being answered: come back later
+                continue
+            state = "head" if self.tls is None else "peek"
+            pending = _Pending(sock, peer, time.monotonic() + self.read_timeout, state)
+            self._pending[sock] = pending
+            self._selector.register(sock, selectors.EVENT_READ, pending)
 
-    return Server
+    def _watch(self, pending: _Pending, events: int) -> None:
+        self._selector.modify(pending.sock, events, pending)
+
+    def _advance(self, pending: _Pending) -> None:
+        try:
+            if pending.state == "peek" and not self._peek(pending):
+                return
+            if pending.state == "handshake":
+                assert isinstance(pending.sock, ssl.SSLSocket)
+                try:
+                    pending.sock.do_handshake()
+                except ssl.SSLWantReadError:
+                    self._watch(pending, selectors.EVENT_READ)
+                    return
+                except ssl.SSLWantWriteError:
+                    self._watch(pending, selectors.EVENT_WRITE)
+                    return
+                pending.state = "head"
+                self._watch(pending, selectors.EVENT_READ)
+            self._read_head(pending)
+        except OSError as exc:  # ssl.SSLError included: a bad handshake, a missing client cert
+            log.debug("connection from %s closed: %s", pending.peer, exc)
+            self._drop(pending)
+
+    def _peek(self, pending: _Pending) -> bool:
+        """On a TLS port: start the handshake if the client speaks TLS; False when dropped."""
+        first = pending.sock.recv(1, socket.MSG_PEEK)
+        if not first or first[0] != _TLS_HANDSHAKE_RECORD:
+            if first.isalpha():  # a request line: "GET /metrics HTTP/1.1"
+                with contextlib.suppress(OSError):
+                    pending.sock.recv(65536)  # read it, so closing does not reset the answer
+                    pending.sock.send(_PLAIN_HTTP_ON_TLS)  # small: fits the empty send buffer
+            self._drop(pending)
+            return False
+        assert self.tls is not None
+        # wrap_socket detaches the plain socket: watch the TLS one (the same descriptor).
+        self._selector.unregister(pending.sock)
+        del self._pending[pending.sock]
+        pending.sock = self.tls.context().wrap_socket(
+            pending.sock, server_side=True, do_handshake_on_connect=False
+        )
+        pending.state = "handshake"
+        self._pending[pending.sock] = pending
+        self._selector.register(pending.sock, selectors.EVENT_READ, pending)
+        return True
+
+    def _read_head(self, pending: _Pending) -> None:
+        while True:
+            try:
+                chunk = pending.sock.recv(65536)
+            except (BlockingIOError, ssl.SSLWantReadError):
+                return
+            except ssl.SSLWantWriteError:  # a renegotiation wants to write first
+                self._watch(pending, selectors.EVENT_WRITE)
+                return
+            if not chunk:
+                self._drop(pending)
+                return
+            pending.head += chunk
+            if b"\r\n\r\n" in pending.head or b"\n\n" in pending.head:
+                self._dispatch(pending)
+                return
+            if len(pending.head) > MAX_HEAD_BYTES:
+                log.debug(
+                    "connection from %s: request head over %d B", pending.peer, MAX_HEAD_BYTES
+                )
+                self._drop(pending)
+                return
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for pending in [p for p in self._pending.values() if p.deadline <= now]:
+            log.debug("connection from %s: no complete request in time", pending.peer)
+            self._drop(pending)
+
+    def _forget(self, pending: _Pending) -> None:
+        self._pending.pop(pending.sock, None)
+        with contextlib.suppress(KeyError, ValueError):
+            self._selector.unregister(pending.sock)
+
+    def _drop(self, pending: _Pending) -> None:
+        self._forget(pending)
+        _close(pending.sock)
+
+    def _dispatch(self, pending: _Pending) -> None:
+        self._forget(pending)
+        with self._lock:
+            self._in_flight += 1
+        try:
+            self._workers.submit(self._answer, pending)
+        except RuntimeError:  # shutting down
+            self._done(pending)
+
+    # -- the workers --------------------------------------------------------------------------
+
+    def _answer(self, pending: _Pending) -> None:
+        try:
+            _Handler(pending, self)
+        except OSError as exc:  # the client went away, or was too slow with its body
+            log.debug("connection from %s: %s", pending.peer, exc)
+        finally:
+            self._done(pending)
+
+    def _done(self, pending: _Pending) -> None:
+        with contextlib.suppress(OSError):
+            pending.sock.shutdown(socket.SHUT_WR)
+        _close(pending.sock)
+        with self._lock:
+            self._in_flight -= 1
+
+    # -- stopping -----------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Stop the front (after `run` returns, the caller joins its thread), close the rest."""
+        self._stopping.set()
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
+
+    def close(self) -> None:
+        """Release the listening socket and the workers (after the front thread ended)."""
+        self._workers.shutdown(wait=True, cancel_futures=True)
+        self.server_close()
+        _close(self._wake_r)
+        _close(self._wake_w)
 
 
 def _secured(app: WSGIApplication, config: WebConfig) -> WSGIApplication:
@@ -159,7 +436,8 @@ def _secured(app: WSGIApplication, config: WebConfig) -> WSGIApplication:
 class MetricsServer:
     """A running exporter endpoint; `port` is the bound one (useful with port 0).
 
-    `web_config` adds TLS, basic auth and headers; without one, plain HTTP as before.
+    `web_config` adds TLS, basic auth and headers; without one, plain HTTP as before. The
+    bounds of the front (`_BoundedServer`) default to this module's constants.
     """
 
     def __init__(
@@ -168,6 +446,11 @@ class MetricsServer:
         host: str,
         port: int,
         web_config: WebConfig | None = None,
+        *,
+        read_timeout_seconds: float = READ_TIMEOUT_SECONDS,
+        write_timeout_seconds: float = WRITE_TIMEOUT_SECONDS,
+        max_connections: int = MAX_CONNECTIONS,
+        workers: int = WORKERS,
     ) -> None:
         writer = TextWriter()
 
@@ -196,11 +479,20 @@ class MetricsServer:
             if web_config.tls is not None:
                 self.tls = TLSContextProvider(web_config.tls)
         self.scheme = "http" if self.tls is None else "https"
-        self._server = make_server(
-            host, port, app, _server_class(host, port, self.tls), handler_class=_QuietHandler
+        # Pick IPv4 or IPv6 from the address itself, so `[::1]:9445` works as well as 127.0.0.1.
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        self._server = _BoundedServer(
+            (host, port),
+            family,
+            app,
+            tls=self.tls,
+            read_timeout=read_timeout_seconds,
+            write_timeout=write_timeout_seconds,
+            max_connections=max_connections,
+            workers=workers,
         )
         self.port: int = self._server.server_address[1]
-        self._thread = threading.Thread(target=self._server.serve_forever, name="http", daemon=True)
+        self._thread = threading.Thread(target=self._server.run, name="http-front", daemon=True)
 
     def start(self) -> None:
         """Serve in a background thread."""
@@ -208,5 +500,7 @@ class MetricsServer:
 
     def stop(self) -> None:
         """Stop serving and release the socket."""
-        self._server.shutdown()
-        self._server.server_close()
+        self._server.stop()
+        if self._thread.is_alive():
+            self._thread.join()
+        self._server.close()

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import gzip
+import os
+import socket
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from prometheus_client import CollectorRegistry, Gauge
 
 from exporter.http import MetricsServer, parse_listen_address
 from exporter.registry import ExporterSettings, build_registry
@@ -87,3 +93,128 @@ def test_listen_addresses(text: str, expected: tuple[str, int]) -> None:
 def test_bad_listen_addresses(text: str) -> None:
     with pytest.raises(ValueError, match=text.split(":", maxsplit=1)[0] or ":"):
         parse_listen_address(text)
+
+
+# --- the bounded front: idle and slow clients cost no thread and are cut --------------------
+
+
+def bounded_server(**bounds: Any) -> MetricsServer:
+    """A small registry behind the front with test-sized bounds."""
+    registry = CollectorRegistry(auto_describe=False)
+    Gauge("gpufleet_test_up", "A series to scrape.", registry=registry).set(1)
+    srv = MetricsServer(registry, "127.0.0.1", 0, **bounds)
+    srv.start()
+    return srv
+
+
+def closed_by_server(sock: socket.socket, within: float) -> bool:
+    """Whether the server closes `sock` (EOF or reset) within `within` seconds."""
+    sock.settimeout(within)
+    try:
+        while True:
+            if not sock.recv(65536):
+                return True
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except TimeoutError:
+        return False
+
+
+def thread_count() -> int:
+    """The threads of this process, as the kernel counts them (Python's and any other)."""
+    return len(os.listdir("/proc/self/task"))
+
+
+def test_idle_connections_cost_no_thread_and_are_closed_after_the_timeout() -> None:
+    srv = bounded_server(read_timeout_seconds=2.0)
+    idle: list[socket.socket] = []
+    try:
+        url = f"http://127.0.0.1:{srv.port}/metrics"
+        assert get(url)[0] == 200  # the front and one worker are running
+        before = thread_count()
+        for _ in range(300):
+            idle.append(socket.create_connection(("127.0.0.1", srv.port), timeout=5))
+        time.sleep(0.3)  # the front has accepted them all
+        assert thread_count() <= before + 1, "idle connections hold threads"
+        # Scrapes are answered while the 300 are open, by the worker already there.
+        for _ in range(3):
+            status, _, body = get(url)
+            assert status == 200 and b"gpufleet_test_up 1.0" in body
+        assert thread_count() <= before + 1
+        started = time.monotonic()
+        assert all(closed_by_server(sock, within=6) for sock in idle)
+        assert time.monotonic() - started < 6  # at the 2 s deadline, not one by one
+        assert thread_count() <= before + 1
+    finally:
+        for sock in idle:
+            sock.close()
+        srv.stop()
+
+
+def test_a_slow_header_client_is_cut_at_its_deadline() -> None:
+    srv = bounded_server(read_timeout_seconds=1.5)
+    try:
+        sock = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
+        started = time.monotonic()
+        sock.sendall(b"GET /metrics HTTP/1.1\r\n")
+        cut = False
+        # One header byte every 0.2 s: each read would succeed well within a per-read
+        # timeout; only a deadline for the whole head ends it.
+        for byte in b"X-Slow: " + b"a" * 60:
+            try:
+                sock.sendall(bytes([byte]))
+            except (BrokenPipeError, ConnectionResetError):
+                cut = True
+                break
+            time.sleep(0.2)
+            if time.monotonic() - started > 2.5 and closed_by_server(sock, within=0.01):
+                cut = True
+                break
+        elapsed = time.monotonic() - started
+        assert cut or closed_by_server(sock, within=0.5), "the slow client was never cut"
+        assert 1.4 < elapsed < 5, elapsed
+        sock.close()
+        assert get(f"http://127.0.0.1:{srv.port}/metrics")[0] == 200
+    finally:
+        srv.stop()
+
+
+def test_a_full_front_drops_the_longest_waiting_connection_for_a_scrape() -> None:
+    srv = bounded_server(read_timeout_seconds=30.0, max_connections=20)
+    idle: list[socket.socket] = []
+    try:
+        for _ in range(20):
+            idle.append(socket.create_connection(("127.0.0.1", srv.port), timeout=5))
+        time.sleep(0.3)
+        # The cap is reached: a scrape makes room by closing the oldest idle connection, and
+        # again after another idle one has filled the front up.
+        for oldest in range(3):
+            assert get(f"http://127.0.0.1:{srv.port}/metrics")[0] == 200
+            assert closed_by_server(idle[oldest], within=0.5)
+            assert not closed_by_server(idle[oldest + 1], within=0.05)
+            idle.append(socket.create_connection(("127.0.0.1", srv.port), timeout=5))
+            time.sleep(0.2)
+        assert not any(closed_by_server(sock, within=0.01) for sock in idle[3:])
+    finally:
+        for sock in idle:
+            sock.close()
+        srv.stop()
+
+
+def test_an_oversized_or_garbled_head_is_refused() -> None:
+    srv = bounded_server(read_timeout_seconds=1.5)
+    try:
+        # A head over the limit is not kept in memory: the connection is closed.
+        sock = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            sock.sendall(b"GET /metrics HTTP/1.1\r\nX-Big: " + b"a" * (80 * 1024))
+        assert closed_by_server(sock, within=1.0)
+        sock.close()
+        # A garbled request line gets wsgiref's 400 page (HTTP/0.9 style: no status line).
+        sock = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
+        sock.sendall(b"NOT HTTP\r\n\r\n")
+        answer = sock.recv(65536)
+        assert b"Error code: 400" in answer and b"gpufleet_" not in answer, answer
+        sock.close()
+    finally:
+        srv.stop()

@@ -11,12 +11,14 @@ generated ones.
 from __future__ import annotations
 
 import base64
+import contextlib
 import http.client
 import os
 import re
 import select
 import shutil
 import signal
+import socket
 import ssl
 import subprocess
 import sys
@@ -396,10 +398,12 @@ def test_a_rotated_certificate_is_served_without_a_restart(
 
 
 @contextmanager
-def serving(config: WebConfig) -> Iterator[MetricsServer]:
+def serving(config: WebConfig, read_timeout_seconds: float = 10.0) -> Iterator[MetricsServer]:
     registry = CollectorRegistry()
     Gauge("probe_value", "A value to find in the answer.", registry=registry).set(1)
-    server = MetricsServer(registry, "127.0.0.1", 0, web_config=config)
+    server = MetricsServer(
+        registry, "127.0.0.1", 0, web_config=config, read_timeout_seconds=read_timeout_seconds
+    )
     server.start()
     try:
         yield server
@@ -736,3 +740,33 @@ def test_the_example_passes_promtool_and_our_checks(certs: Certs, tmp_path: Path
     assert config.tls is not None and config.notes == ()
     # The documented example password is the one the hash was made from.
     assert bcrypt.checkpw(EXAMPLE_PASSWORD.encode(), config.users["prometheus"].encode())
+
+
+def test_tls_handshake_and_what_follows_are_under_the_deadline(
+    certs: Certs, tmp_path: Path
+) -> None:
+    pair = install(certs.server, tmp_path / "tls")
+    config = load_web_config(write_config(tmp_path / "web.yml", tls_config(pair)))
+    with serving(config, read_timeout_seconds=1.5) as server:
+        # Connected, never a ClientHello: closed at the deadline.
+        silent = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+        # Half a ClientHello (a TLS record header promising more): likewise.
+        half = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+        half.sendall(bytes([0x16, 0x03, 0x01, 0x02, 0x00]) + b"\x01")
+        # A finished handshake and no request: the socket did not go back to blocking
+        # without a timeout; it is closed at the same deadline.
+        done = client_context(certs.ca).wrap_socket(
+            socket.create_connection(("127.0.0.1", server.port), timeout=5),
+            server_hostname="localhost",
+        )
+        started = time.monotonic()
+        for sock in (silent, half, done):
+            sock.settimeout(5)
+            # A reset or a TLS alert instead of a clean EOF: closed all the same.
+            with contextlib.suppress(ConnectionResetError, ssl.SSLError):
+                assert sock.recv(100) == b""
+        assert time.monotonic() - started < 4
+        for sock in (silent, half, done):
+            sock.close()
+        # The server still answers.
+        assert get(server.port, context=client_context(certs.ca)).status == 200

@@ -13,7 +13,10 @@ host dioscuri (GPU 0 runs server alpha, GPU 1 runs beta):
 from __future__ import annotations
 
 import json
+import sqlite3
+import subprocess
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
@@ -23,6 +26,9 @@ from remediator.journal import Admission, Journal, Plan, RunRecord, Verdict, sch
 from remediator.journal.rails import RailsReports
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+FIXTURES = Path(__file__).parent / "fixtures" / "journal"
+"""Journals the released versions made, as SQL dumps (see the README there)."""
 
 ALPHA = "server/dioscuri/alpha"
 BETA = "server/dioscuri/beta"
@@ -168,3 +174,24 @@ def counts(url: str) -> dict[str, int]:
             }
     finally:
         plain.dispose()
+
+
+def load_sqlite(dump: Path, path: Path) -> str:
+    """A SQLite file made from `dump` (an `iterdump`); its URL."""
+    with sqlite3.connect(path) as conn:
+        conn.executescript(dump.read_text())
+    return f"sqlite:///{path}"
+
+
+def load_postgresql(dump: Path, url: str) -> None:
+    """Restore `dump` (pg_dump's plain SQL) into the database at `url` with psql.
+
+    psql, as an operator restores a dump: pg_dump 15.14 and later write `\\restrict` lines
+    that only psql understands. It stops at the first error.
+    """
+    subprocess.run(
+        ["psql", "-X", "-q", "-v", "ON_ERROR_STOP=1", "-d", url, "-f", str(dump)],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )

@@ -17,15 +17,14 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
-import sqlalchemy as sa
 from prometheus_client import generate_latest
 
-from remediator.journal import schema
-from remediator.journal.store import Journal, OutboxEntry
+from remediator.journal import Journal, OutboxEntry
 from remediator.metrics import RemediatorMetrics
 from remediator.notify.graph import PALETTE, render
 from remediator.notify.sender import OutboxSender, SenderSettings, marker
 from remediator.notify.zulip_api import ZulipApi
+from tests.journal_lab import FIXTURES, load_sqlite
 from tests.pg import throwaway_database
 from tests.prometheus_lab import MetricsEndpoint, PrometheusServer
 from tests.test_notify_report import REPORTER, healed_run
@@ -419,33 +418,25 @@ def test_outbox_depth_and_age_are_exported(journal: Journal) -> None:
     assert depth == 1 and age is not None and age >= 0.2
 
 
-def test_a_version_1_journal_is_migrated_with_its_unsent_reports(tmp_path: Path) -> None:
-    url = f"sqlite:///{tmp_path / 'old.db'}"
-    engine = sa.create_engine(url)
-    with engine.begin() as conn:
-        schema.schema_version.create(conn)
-        schema.MIGRATIONS[1](conn)
-        conn.execute(
-            sa.insert(schema.schema_version).values(version=1, applied_at=datetime.now(UTC))
-        )
-        conn.exec_driver_sql(
-            "INSERT INTO outbox (created_at, topic, content, state, attempts, next_attempt_at) "
-            "VALUES ('2026-11-30 03:00:00.000000', 'alerts-gpu', 'queued by v1', 'pending', 0, "
-            "'2026-11-30 03:00:00.000000')"
-        )
-    engine.dispose()
+def test_a_version_1_journal_is_migrated_with_its_reports(tmp_path: Path) -> None:
+    # Recorded from the first release's schema (tests/fixtures/journal/README.md).
+    url = load_sqlite(FIXTURES / "v1.sqlite.sql", tmp_path / "old.db")
     journal = Journal(url, replica_id="central-1")
     try:
-        assert journal.schema_version() == 2
+        assert journal.schema_version() == 3
+        sent, unsent = journal.outbox_entries()
+        assert (sent.content, sent.state, sent.zulip_message_id) == ("sent by v1", "sent", 17)
+        assert sent.run_id is not None and journal.get_run(sent.run_id) is not None
         [entry] = journal.outbox_due()
+        assert entry == unsent
         assert (entry.content, entry.recipients, entry.graph, entry.picture) == (
             "queued by v1",
             None,
             None,
             None,
         )
-        journal.enqueue_report("alerts-gpu", "v2", recipients=["oncall@example.org"])
-        assert journal.outbox_entries()[1].recipients == ("oncall@example.org",)
+        journal.enqueue_report("alerts-gpu", "v3", recipients=["oncall@example.org"])
+        assert journal.outbox_entries()[2].recipients == ("oncall@example.org",)
     finally:
         journal.close()
 

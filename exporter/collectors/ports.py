@@ -60,6 +60,7 @@ from exporter.collectors import catalogue
 from exporter.collectors.base import CollectorError
 from exporter.roster import Server
 from exporter.sources.procnet import (
+    FD_PRIVILEGE,
     HolderScan,
     Listener,
     ProcNetError,
@@ -75,7 +76,6 @@ from exporter.sources.systemd import SystemdError, UnitsReader, UnitStatus, unit
 # ExecStartPre= runs, `deactivating`, `inactive`, `failed`) has no server that should listen.
 RUNNING_STATES = frozenset({"active", "reloading", "refreshing"})
 
-PRIVILEGE = "root, or CAP_SYS_PTRACE and CAP_DAC_READ_SEARCH"
 
 # Time a scrape may spend reading other processes to name a ghost (the target for the whole
 # port check is 5 ms on a host with 1,000 extra processes: bench/port_ghosts.py).
@@ -301,7 +301,7 @@ class PortsCollector:
             return (
                 f"server {name}: cannot tell who listens on port {port} (socket of {owners}): "
                 f"not allowed to read the open files (/proc/PID/fd) of {len(scan.denied)} "
-                f"process(es); the exporter needs {PRIVILEGE} to see other users' processes"
+                f"process(es); the exporter needs {FD_PRIVILEGE} to see other users' processes"
             )
         return (
             f"server {name}: no process visible in {self._procfs} holds the listening socket "

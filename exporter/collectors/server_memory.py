@@ -48,10 +48,8 @@ from exporter.collectors.base import CollectorError
 from exporter.gpu_index import GpuIndex
 from exporter.roster import Server
 from exporter.sources import drm_fdinfo
+from exporter.sources.procnet import FD_PRIVILEGE
 from exporter.sources.systemd import SystemdError, UnitsReader, unit_pids
-
-PRIVILEGE = "root, or CAP_SYS_PTRACE and CAP_DAC_READ_SEARCH"
-
 
 # Time a scrape may spend reading other processes' fds for the AMD unowned memory.
 UNOWNED_BUDGET_SECONDS = 0.003
@@ -237,7 +235,7 @@ class ServerMemoryCollector:
             tally.problems.append(
                 f"cannot read the open files of {len(hidden)} process(es) of roster units "
                 f"(e.g. pid {hidden[0]}): their servers' AMD GPU memory is unknown; "
-                f"the exporter needs {PRIVILEGE}"
+                f"the exporter needs {FD_PRIVILEGE}"
             )
         result = self._continue_walk(owners)
         if result is None:
@@ -249,7 +247,7 @@ class ServerMemoryCollector:
             tally.problems.append(
                 f"cannot read the open files of {len(foreign_hidden)} other process(es) "
                 f"(e.g. pid {foreign_hidden[0]}): AMD GPU memory of no server is unknown; "
-                f"the exporter needs {PRIVILEGE}"
+                f"the exporter needs {FD_PRIVILEGE}"
             )
             return
         for gpu in amd.values():

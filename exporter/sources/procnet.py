@@ -39,6 +39,9 @@ from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+# What reading other users' `/proc/PID/fd` takes (see "Privilege" above); ports and GPU memory
+# per process both need it and say so in their messages.
+FD_PRIVILEGE = "root, or CAP_SYS_PTRACE and CAP_DAC_READ_SEARCH"
 TCP_LISTEN = "0A"  # include/net/tcp_states.h: TCP_LISTEN = 10
 _DELETED = " (deleted)"  # what the kernel's d_path appends to an unlinked file's path
 # EACCES from the fd directory's mode, EPERM from the ptrace access check (both happen).

@@ -39,7 +39,7 @@ RECORDED = datetime(2026, 11, 30, 3, 0, tzinfo=UTC)  # the fixtures' clock start
 OPENED = RECORDED + timedelta(minutes=5)  # when the upgraded journal is opened
 HISTORY = ("notifications", "alerts", "runs", "steps", "events", "outbox")
 # The v2 rows (README.md of the fixtures).
-DONE, RUNNING, OLD_TWIN, NEW_TWIN = 1, 2, 3, 4
+RUNNING, OLD_TWIN, NEW_TWIN = 2, 3, 4  # run 1 healed before the upgrade
 LEFTOVER_NOTIFICATION = 5
 
 
@@ -111,13 +111,12 @@ def test_a_version_2_journal_is_upgraded_keeping_its_history(v2_url: str) -> Non
             kept = {k: v for k, v in after[name].items() if k in before[name]}
             assert kept == expected[name], name
 
-        # The notification answered 200 but not yet ingested is admitted: a run.
-        (new_notification,) = set(after["notifications"]) - set(before["notifications"])
+        # The notification answered 200 but not yet ingested is admitted: a run (how its
+        # row is reused: test_a_leftover_is_admitted_as_itself).
         (leftover,) = [r for r in journal.recent_runs() if r.alert.fingerprint == "fp-leftover"]
         assert (leftover.state, leftover.created_at) == ("pending", OPENED)
+        assert leftover.alert.labels["server"] == "epsilon"
         assert set(after["runs"]) - set(before["runs"]) == {(leftover.id,)}
-        newest_alert = max(rows(v2_url, schema.alerts), key=lambda r: int(r["id"]))
-        assert newest_alert["notification_id"] == new_notification[0]
 
         open_twins = [
             r for r in rows(v2_url, schema.alerts)
@@ -180,3 +179,21 @@ def test_opening_an_upgraded_journal_again_changes_nothing(v2_url: str) -> None:
     clock.advance(minutes=1)
     Journal(v2_url, replica_id="central-1", clock=clock).close()
     assert history(v2_url) == upgraded
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="Journal._admit_leftovers admits a leftover through admit(), which inserts a second "
+    "copy of the notification, and marks the original ingested in a later transaction: a "
+    "crash in between, or two replicas starting together, admits it again (dedupe keeps the "
+    "runs single, the copies stay). Fix: admit the accepted row itself, marking it in the "
+    "same transaction (e.g. admit(…, accepted_id=row.id) updating ingested_at WHERE it is "
+    "still NULL instead of inserting).",
+)
+def test_a_leftover_is_admitted_as_itself(v2_url: str) -> None:
+    before = history(v2_url)["notifications"]
+    Journal(v2_url, replica_id="central-1", clock=Clock(OPENED)).close()
+    after = history(v2_url)["notifications"]
+    assert set(after) == set(before)  # no copy of the leftover
+    leftover = max(rows(v2_url, schema.alerts), key=lambda r: int(r["id"]))
+    assert leftover["notification_id"] == LEFTOVER_NOTIFICATION

@@ -232,6 +232,25 @@ def test_a_resolution_closes_the_occurrence_and_its_pending_runs(
     assert journal.queue_depth() == 0 and len(journal.recent_runs()) == 1
 
 
+def test_a_resolution_queues_the_closing_report_in_its_transaction(
+    journal: Journal, journal_url: str
+) -> None:
+    journal.resolved_reports = lambda run: [("alerts-gpu", f"closed {run.id} {run.state}")]
+    (run_id,) = admit(journal, alert("fp1")).new_run_ids
+    admit(journal, alert("fp1", status="resolved"))
+    assert _outbox(journal_url) == [(run_id, f"closed {run_id} done")]
+    admit(journal, alert("fp2", status="resolved"))  # a tombstone: no run, no story to close
+
+    def broken(run: Any) -> list[tuple[str, str]]:
+        raise RuntimeError("a rendering bug")
+
+    # A rendering bug must not refuse the resolution (Alertmanager would retry it forever).
+    journal.resolved_reports = broken
+    (other,) = admit(journal, alert("fp3")).new_run_ids
+    assert admit(journal, alert("fp3", status="resolved")).closed_run_ids == [other]
+    assert _outbox(journal_url) == [(run_id, f"closed {run_id} done")]
+
+
 def test_a_resolution_reaches_a_claimed_run_at_the_rails(journal: Journal) -> None:
     (run_id,) = admit(journal, alert("fp1")).new_run_ids
     claim(journal, run_id)
@@ -832,7 +851,8 @@ def test_a_silent_holder_is_taken_over_with_an_event(
 ) -> None:
     holder = start(journal, "holder")
     clock.advance(seconds=901)  # its replica died: no heartbeat for over lock_ttl
-    peer = make_journal(replica_id="r2")
+    # Nor does the silent run hold a place under the concurrency cap.
+    peer = make_journal(replica_id="r2", limits=Limits(max_concurrent_runs=1))
     (taker,) = admit(peer, alert("taker")).new_run_ids
     assert judge(peer, taker, plan()).may_act
     (event,) = journal.events(kind="lock_takeover")

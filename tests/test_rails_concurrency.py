@@ -1,4 +1,4 @@
-"""The rails under contention: two replicas, four workers each, on PostgreSQL, released together.
+"""The rails under contention: two replicas, four workers each, released together.
 
 `admit_to_act` decides "may this act now?" in one transaction that no other rails decision
 interleaves with (`rails.py`). These tests try to make it interleave: two `Journal`s with
@@ -20,9 +20,10 @@ What must hold, every round and overall:
   cap or the lock); none is left claimed or running, none ran twice;
 - the hourly cap (`max_runs_per_hour`) admits exactly that many disruptive runs in all.
 
-PostgreSQL only: it is what several replicas share (SQLite's `BEGIN IMMEDIATE` serialises
-writers of one file by construction). The clock is the real one: the barriers, not the time,
-order the workers, and nothing sleeps.
+On PostgreSQL, which several replicas share (the rails' advisory lock), and on a SQLite file,
+where two processes on one journal (a `replay` beside the server) meet through `BEGIN
+IMMEDIATE`. The clock is the real one: the barriers, not the time, order the workers, and
+nothing sleeps.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -71,10 +73,14 @@ CASES = [
 ]
 
 
-@pytest.fixture
-def url() -> Iterator[str]:
-    with throwaway_database() as database:
-        yield database
+@pytest.fixture(params=["postgresql", "sqlite"])
+def url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """The shared database: PostgreSQL (what replicas share), and a SQLite file for contrast."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'journal.db'}"
+    else:
+        with throwaway_database() as database:
+            yield database
 
 
 def _server(replica: str, worker: int, round_: int, one_target: bool) -> str:

@@ -3,7 +3,7 @@
 `admit_to_act` decides "may this act now?" in one transaction that no other rails decision
 interleaves with (`rails.py`). These tests try to make it interleave: two `Journal`s with
 different `replica_id` (two replicas; in the last tests two real processes) and four worker
-threads each, on one PostgreSQL database. Every round, behind a barrier each time, the eight
+threads each, on one database. Every round, behind a barrier each time, the eight
 workers admit an alert each, claim a run each, and then call `admit_to_act` at the same
 moment; the runs allowed to act hold until the test has read the journal, then finish. The
 round repeats, with the runs left waiting (made due again by the finishes) among the next

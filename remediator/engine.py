@@ -25,11 +25,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import secrets
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 from exporter.roster import Roster
 from remediator.actions.power import restore_due_power_caps
@@ -52,6 +54,7 @@ from remediator.journal import (
     QueuedReport,
     RunRecord,
     RunStateError,
+    UndoRecord,
     Verdict,
 )
 from remediator.metrics import RemediatorMetrics
@@ -90,17 +93,20 @@ class EngineSettings:
 class RunEffects:
     """What a run's steps asked of the engine beyond their verdicts (see actions/registry.py).
 
-    `undos`: compensating steps, with the index of the step that asked, run at the end of the
-    run whatever happened; `escalations`: reasons to call people; `finished`: the run ended
-    early and successfully (a false alarm), no further steps and no verification;
-    `resolved`: the alert stopped firing before a step that changes something.
+    The undos themselves are in the journal (journaled with the step that asked for one).
+    `escalations`: reasons to call people; `finished`: the run ended early and successfully
+    (a false alarm), no further steps and no verification; `resolved`: the alert stopped
+    firing before a step that changes something; `stopped`: the remediator is stopping, the
+    run ends `interrupted` once its undos ran; `fenced`: another replica took the run over
+    (this one was silent too long): it acts on it no more, not even its undos.
     """
 
-    undos: list[tuple[int, Undo]] = field(default_factory=list)
     escalations: list[str] = field(default_factory=list)
     finished: str | None = None
     resolved: str | None = None
-    undone: bool = False
+    stopped: str | None = None
+    fenced: str | None = None
+    undone: list[str] = field(default_factory=list)
 
 
 def alert_of(record: AlertRecord) -> Alert:
@@ -112,6 +118,20 @@ def alert_of(record: AlertRecord) -> Alert:
         startsAt=record.starts_at,
         generatorURL=record.generator_url,
         fingerprint=record.fingerprint,
+    )
+
+
+def _undo_record(step_index: int, undo: Undo | None) -> UndoRecord | None:
+    """The journal's record of an undo a step asked for (its index is the journal's to give)."""
+    if undo is None:
+        return None
+    return UndoRecord(
+        index=0,
+        asked_by=step_index,
+        action=undo.action,
+        params=undo.params.model_dump(mode="json"),
+        timeout_seconds=undo.timeout_seconds,
+        why=undo.why,
     )
 
 
@@ -186,27 +206,84 @@ class Engine:
         self._wake = threading.Event()  # runs are queued or became due
         self._stop = threading.Event()
         self._loops: list[Loop] = []
-        self._active: set[int] = set()
+        # The runs acting now, with their cancel flags (set at stop).
+        self._active: dict[int, threading.Event] = {}
         self._active_lock = threading.Lock()
+        # This process's claim on its replica id (a lease): two live processes must never act
+        # as one replica. `instance` tells this process from a predecessor with the same id.
+        self.instance = f"{journal.replica_id}#{os.getpid()}.{secrets.token_hex(4)}"
+        self._identity_lost = False
 
     # -- life cycle ---------------------------------------------------------------------------
 
     def recover(self) -> list[int]:
-        """Mark this replica's runs that were executing at a crash `interrupted`; report them."""
-        reporter = self.reporter
-        interrupted = self.journal.recover_interrupted(
-            (lambda run: self._reports(reporter.interrupted_reports, run))
-            if reporter is not None
-            else None
-        )
+        """This replica's runs a crash left executing: interrupted, undone, reported.
+
+        Each is judged again through a new run while its alert fires (never re-run blindly).
+        """
+        interrupted = self.journal.recover_interrupted()
         for run_id in interrupted:
-            run = self.journal.get_run(run_id)
-            playbook = run.playbook if run and run.playbook else "unknown"
-            self.metrics.runs.labels(playbook, "interrupted").inc()
-            log.warning("run %d (%s) was interrupted by a restart; not repeated", run_id, playbook)
-        if interrupted:
-            self._reported()
+            log.warning("run %d was interrupted by a restart; undoing, not repeating", run_id)
+        self.complete_interruptions()
         return interrupted
+
+    def take_over(self) -> list[int]:
+        """Take over the runs of silent replicas (heartbeat past `lock_ttl_seconds`)."""
+        taken = self.journal.take_over_stale()
+        for run_id in taken:
+            log.warning("run %d of a silent replica taken over: undoing, not repeating", run_id)
+        if taken:
+            self.complete_interruptions()
+        return taken
+
+    def complete_interruptions(self) -> int:
+        """Undo and report every interrupted run this replica must finish; how many."""
+        count = 0
+        for run in self.journal.interruptions_to_complete():
+            playbook = next((p for p in self.playbooks if p.name == run.playbook), None)
+            target = self._target_of(run)
+            escalations: list[str] = []
+            if target is not None:
+                self._run_undos(run, target, escalations)
+            else:
+                gone = "not run: its target left the roster"
+                for undo in self.journal.undos(run.id):
+                    self.journal.finish_undo(run.id, undo.index, ok=False, output=gone)
+            current = self.journal.get_run(run.id) or run
+            reports = self._reports(self.reporter.interrupted_reports, current) if (
+                self.reporter is not None) else []  # fmt: skip
+            cooldown = playbook.policy.cooldown_seconds if playbook is not None else 0.0
+            readmitted = self.journal.complete_interruption(
+                run.id, reports=reports, cooldown_seconds=cooldown
+            )
+            name = run.playbook or "unknown"
+            self.metrics.runs.labels(name, "interrupted").inc()
+            if playbook is not None and target is not None:
+                for why in escalations:
+                    self._step_escalation(current, playbook, target, why)
+            if readmitted is not None:
+                log.info("run %d: its alert still fires, judged again as run %d", run.id,
+                         readmitted)  # fmt: skip
+            count += 1
+        if count:
+            self._reported()
+            self._wake.set()
+        return count
+
+    def _target_of(self, run: RunRecord) -> Target | None:
+        """The roster target a run's key names now; None when it is no longer there."""
+        parts = (run.target or "").split("/")
+        host = self.roster.hosts.get(parts[1]) if len(parts) > 1 else None
+        if host is None:
+            return None
+        if parts[0] == "host" and len(parts) == 2:
+            return Target("host", parts[1], host)
+        if parts[0] == "server" and len(parts) == 3 and parts[2] in host.servers:
+            return Target("server", parts[1], host, server=parts[2],
+                          server_entry=host.servers[parts[2]])  # fmt: skip
+        if parts[0] == "gpu" and len(parts) == 3 and parts[2].isdigit():
+            return Target("gpu", parts[1], host, gpu=int(parts[2]))
+        return None
 
     def _reports(
         self, render: Callable[..., list[QueuedReport]], *args: object, **kwargs: object
@@ -225,8 +302,34 @@ class Engine:
         if self._on_report is not None:
             self._on_report()
 
+    def claim_identity(self, wait_seconds: float | None = None) -> None:
+        """Hold this replica id's lease, waiting out a dead predecessor's.
+
+        Raises JournalError if a live process holds it: two processes acting as one replica
+        would take each other's runs for their own.
+        """
+        ttl = self._identity_ttl()
+        if wait_seconds is None:
+            wait_seconds = ttl.total_seconds() + self.settings.heartbeat_seconds
+        deadline = time.monotonic() + wait_seconds
+        while not self.journal.take_lease(self._identity, ttl, owner=self.instance):
+            if time.monotonic() >= deadline:
+                raise JournalError(
+                    f"replica id {self.journal.replica_id!r} is held by another live process "
+                    "(its lease is being renewed): give each replica its own replica_id"
+                )
+            self._stop.wait(1.0)
+
+    @property
+    def _identity(self) -> str:
+        return f"replica/{self.journal.replica_id}"
+
+    def _identity_ttl(self) -> timedelta:
+        return timedelta(seconds=max(15.0, 3 * self.settings.heartbeat_seconds))
+
     def start(self) -> None:
-        """Recover from a crash, then start the workers and the heartbeat."""
+        """Claim the replica id, recover from a crash, then start the workers and the heartbeat."""
+        self.claim_identity()
         self.recover()
         self._loops = [
             Loop(f"engine-{index}", self._work_once, self._stop, self.metrics)
@@ -239,26 +342,41 @@ class Engine:
         for loop in self._loops:
             loop.start()
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Stop taking work; wait (bounded) for runs in progress to finish their step."""
+    def stop(self, timeout: float = 60.0) -> None:
+        """Stop: cancel every active run, let its step return and its undos run, then end.
+
+        The runs cut short end `interrupted` (reported, judged again at the next start while
+        their alert fires). Bounded by `timeout`: the unit's TimeoutStopSec must be longer.
+        """
         self._stop.set()
+        with self._active_lock:
+            for cancel in self._active.values():
+                cancel.set()
         self._wake.set()
         deadline = time.monotonic() + timeout
         for loop in self._loops:
             loop.join(max(0.0, deadline - time.monotonic()))
+        if self._loops:
+            try:
+                self.journal.release_lease(self._identity, owner=self.instance)
+            except JournalError as exc:
+                log.warning("cannot release the replica id's lease (it expires): %s", exc)
 
     def dead_loops(self) -> list[str]:
         """The loops whose thread ended although the engine was not stopped (`/healthz`)."""
         if self._stop.is_set():
             return []
-        return [loop.name for loop in self._loops if not loop.alive]
+        dead = [loop.name for loop in self._loops if not loop.alive]
+        if self._identity_lost:
+            dead.append("replica-identity")
+        return dead
 
     def wake(self) -> None:
         """Runs were admitted or became due: a sleeping worker looks now."""
         self._wake.set()
 
     def _work_once(self) -> None:
-        if self.process_one():
+        if not self._identity_lost and self.process_one():
             return
         # Nothing due: sleep until woken, the next waiting run is due, or the poll interval.
         pause = self.settings.poll_seconds
@@ -273,6 +391,21 @@ class Engine:
         # restores power caps when due and prunes the journal past its retention now and then.
         if self._stop.wait(self.settings.heartbeat_seconds):
             return
+        if not self.journal.take_lease(self._identity, self._identity_ttl(), owner=self.instance):
+            # Another process acts as this replica now (this one was stopped past the lease):
+            # acting on would be two replicas in one. Workers take no more runs; /healthz 503.
+            if not self._identity_lost:
+                log.error("replica id %s was taken by another process: taking no more runs",
+                          self.journal.replica_id)  # fmt: skip
+            self._identity_lost = True
+            return
+        self._identity_lost = False
+        with self._active_lock:
+            active = list(self._active)
+        for run_id in active:
+            self.journal.heartbeat(run_id)
+        self.take_over()
+        self.complete_interruptions()
         if time.monotonic() >= self._next_restore:
             interval = self.settings.actions.power_cap_check_interval_seconds
             self._next_restore = time.monotonic() + interval
@@ -282,10 +415,6 @@ class Engine:
             pruned = self.journal.prune()
             if pruned:
                 log.info("journal: pruned %d rows past the retention", pruned)
-        with self._active_lock:
-            active = list(self._active)
-        for run_id in active:
-            self.journal.heartbeat(run_id)
 
     def restore_power_caps(self) -> list[str]:
         """Restore due power caps (actions/power.py); never raises (the heartbeat calls it)."""
@@ -305,7 +434,9 @@ class Engine:
     # -- one run ------------------------------------------------------------------------------
 
     def process_one(self) -> bool:
-        """Claim and handle one due run; False when none is due."""
+        """Claim and handle one due run; False when none is due (or the engine stops)."""
+        if self._stop.is_set() and self._loops:
+            return False
         run = self.journal.claim_next_run()
         if run is None:
             return False
@@ -469,19 +600,30 @@ class Engine:
 
     def _execute(self, run: RunRecord, playbook: Playbook, target: Target, plan: Plan) -> None:
         journal = self.journal
-        with self._active_lock:
-            self._active.add(run.id)
-        started = time.monotonic()
         cancel = threading.Event()
+        with self._active_lock:
+            self._active[run.id] = cancel
+            if self._stop.is_set():
+                cancel.set()  # stopping began between the claim and now
+        started = time.monotonic()
         deadline = started + playbook.policy.timeout_seconds
         outcome = "done_unverified"
         verification = "no verification configured"
         effects = RunEffects()
+        undone = False
         try:
             failed_at = self._steps(run, playbook, target, cancel, deadline, effects=effects)
+            if effects.fenced is not None:
+                log.error("run %d: %s; acting on it no more", run.id, effects.fenced)
+                return
             # Undos (a deployment back into routing) before verification: it checks the whole.
-            self._undo(run, playbook, target, effects)
-            if effects.resolved is not None:
+            self._run_undos(run, target, effects.escalations, effects.undone)
+            undone = True
+            if self._stop.is_set() and failed_at is not None and effects.stopped is None:
+                effects.stopped = f"the remediator stopped during step {failed_at}"
+            if effects.stopped is not None:
+                outcome, verification = "interrupted", effects.stopped + self._undone_text(run)
+            elif effects.resolved is not None:
                 outcome, verification = "resolved", effects.resolved
             elif failed_at is not None:
                 outcome, verification = "failed", f"step {failed_at} failed; verification skipped"
@@ -490,11 +632,18 @@ class Engine:
             elif playbook.verify is not None:
                 healed, verification = self._verify(playbook, target, cancel, deadline)
                 outcome = "healed" if healed else "not_healed"
+                if self._stop.is_set() and not healed:
+                    # Cut short by the stop, not judged: the run did not fail, it was stopped.
+                    outcome = "interrupted"
+                    verification = (
+                        "the remediator stopped during the verification" + self._undone_text(run)
+                    )
         finally:
-            if not effects.undone:
-                self._undo(run, playbook, target, effects)  # an exception cut the run short
+            if not undone and effects.fenced is None:
+                # An exception cut the run short: its undos all the same.
+                self._run_undos(run, target, effects.escalations, effects.undone)
             with self._active_lock:
-                self._active.discard(run.id)
+                self._active.pop(run.id, None)
         reports = self._final_reports(run, playbook, target, outcome=outcome,
                                       verification=verification)  # fmt: skip
         final = replace(journal.get_run(run.id) or run, state="done", outcome=outcome)
@@ -555,6 +704,13 @@ class Engine:
             registered = get_action(step.action)
             params = registered.params_model.model_validate(render_params(step.params, target))
             shown = params.model_dump(mode="json")
+            if effects is not None and self._stop.is_set():
+                effects.stopped = f"the remediator stopped before step {index}"
+                self._skip_rest(run, playbook, target, index - 1, "the remediator stopped")
+                return None
+            if effects is not None and not self.journal.owns(run.id):
+                effects.fenced = f"another replica took run {run.id} over before step {index}"
+                return None
             if effects is not None and not registered.read_only:
                 firing, detail = self._still_firing(run)
                 if not firing:
@@ -562,10 +718,6 @@ class Engine:
                     self._skip_rest(run, playbook, target, index - 1, "the alert resolved")
                     return None
             begun = self._clock()
-            self.journal.record_step(
-                run.id, index, step.action, shown, started_at=begun, finished_at=None,
-                result="running", output="",
-            )  # fmt: skip
             timeout = min(step.timeout_seconds, max(0.0, deadline - time.monotonic()))
             context = ActionContext(
                 target=target,
@@ -577,10 +729,21 @@ class Engine:
                 journal=self.journal,
                 run_id=run.id,
             )
+            # An undo the action names before it runs is journaled with the step's start: a
+            # crash in the middle of the step must still leave it to run.
+            first = registered.undo_first(context, params) if registered.undo_first else None
+            self.journal.record_step(
+                run.id, index, step.action, shown, started_at=begun, finished_at=None,
+                result="running", output="", undo=_undo_record(index, first),
+            )  # fmt: skip
             result: StepResult = run_action(context, step.action, params, timeout)
+            undo = _undo_record(index, result.undo) if first is None else None
+            if first is not None and result.undo is None:
+                unneeded = "not needed: the step changed nothing"
+                for pending in self.journal.undos(run.id):
+                    if pending.asked_by == index:
+                        self.journal.finish_undo(run.id, pending.index, ok=True, output=unneeded)
             if effects is not None:
-                if result.undo is not None:
-                    effects.undos.append((index, result.undo))
                 if result.escalate is not None:
                     effects.escalations.append(result.escalate)
                 if result.ok and result.finish is not None:
@@ -594,6 +757,7 @@ class Engine:
                 finished_at=self._clock(),
                 result="ok" if result.ok else "failed",
                 output=result.output,
+                undo=undo,
             )
             finished = effects is not None and effects.finished is not None and result.ok
             if not result.ok or finished:
@@ -613,23 +777,28 @@ class Engine:
                 output=f"not run: {why}",
             )  # fmt: skip
 
-    def _undo(
-        self, run: RunRecord, playbook: Playbook, target: Target, effects: RunEffects
+    def _run_undos(
+        self,
+        run: RunRecord,
+        target: Target,
+        escalations: list[str],
+        undone: list[str] | None = None,
     ) -> None:
-        """Run the collected undos, newest first, each journaled as a step after the others.
+        """Run the run's pending immediate undos, newest first, each journaled as a step.
 
-        Each gets its own time limit and cancel flag: the run's may be spent or set, and a
-        deployment must go back into routing all the same.
+        Each gets its own time limit and cancel flag: the run's may be spent or set (a stop),
+        and a deployment must go back into routing all the same. Each is marked done or
+        failed in the journal as it ends, so a crash in between repeats none that finished.
         """
-        if effects.undone:
-            return
-        effects.undone = True
-        for number, (asked_by, undo) in enumerate(reversed(effects.undos)):
-            index = len(playbook.steps) + number
-            shown = undo.params.model_dump(mode="json")
+        for undo in self.journal.undos(run.id):
+            current = self.journal.get_run(run.id)
+            index = 1 + max((step.index for step in (current.steps if current else [])),
+                            default=-1)  # fmt: skip
+            registered = get_action(undo.action)
+            params = registered.params_model.model_validate(undo.params)
             begun = self._clock()
             self.journal.record_step(
-                run.id, index, undo.action, shown, started_at=begun, finished_at=None,
+                run.id, index, undo.action, undo.params, started_at=begun, finished_at=None,
                 result="running", output="",
             )  # fmt: skip
             context = ActionContext(
@@ -642,14 +811,25 @@ class Engine:
                 journal=self.journal,
                 run_id=run.id,
             )
-            result = run_action(context, undo.action, undo.params, undo.timeout_seconds)
+            result = run_action(context, undo.action, params, undo.timeout_seconds)
+            output = f"undo of step {undo.asked_by} ({undo.why}): {result.output}"
             self.journal.record_step(
-                run.id, index, undo.action, shown, started_at=begun, finished_at=self._clock(),
-                result="ok" if result.ok else "failed",
-                output=f"undo of step {asked_by} ({undo.why}): {result.output}",
+                run.id, index, undo.action, undo.params, started_at=begun,
+                finished_at=self._clock(), result="ok" if result.ok else "failed", output=output,
             )  # fmt: skip
+            self.journal.finish_undo(run.id, undo.index, ok=result.ok, output=result.output)
+            if undone is not None:
+                undone.append(f"{undo.why}: {'done' if result.ok else 'FAILED'}")
             if not result.ok:
-                effects.escalations.append(f"could not undo step {asked_by}: {undo.why}")
+                escalations.append(f"could not undo step {undo.asked_by}: {undo.why}")
+
+    def _undone_text(self, run: RunRecord) -> str:
+        """What an interrupted run undid and what is still pending, for its verification."""
+        every = self.journal.undos(run.id, pending_only=False)
+        done = [u.why for u in every if u.state == "done"]
+        left = [u.why for u in every if u.state != "done"]
+        text = f"; undone: {', '.join(done)}" if done else "; nothing to undo" if not left else ""
+        return text + (f"; NOT undone: {', '.join(left)}" if left else "")
 
     def _step_escalation(
         self, run: RunRecord, playbook: Playbook, target: Target, why: str

@@ -207,3 +207,171 @@ def test_two_replicas_on_postgresql_act_exactly_once(
         finally:
             for replica in replicas:
                 replica.stop()
+
+
+DRAIN_THEN_WAIT = """\
+name: drain-wait-restart
+description: Test playbook - drains (LiteLLM), waits, restarts; verification waits too.
+match: {{alertname: LlamaServerDown}}
+target: server
+steps:
+  - drain: {{max_wait_seconds: 0}}
+  - wait: {{seconds: {wait}}}
+  - http_request: {{url: "{{server.url}}/restart", method: GET, expect_status: [200]}}
+verify:
+  promql: 'up == 1'
+  within_seconds: {verify}
+  interval_seconds: 1
+policy: {{cooldown_seconds: 600, timeout_seconds: 300}}
+"""
+
+
+@pytest.mark.parametrize(
+    ("signum", "boundary"),
+    [
+        (signal.SIGTERM, "after the drain"),
+        (signal.SIGKILL, "after the drain"),
+        (signal.SIGTERM, "in the verification"),
+        (signal.SIGKILL, "in the verification"),
+    ],
+)
+def test_a_stop_or_a_crash_undoes_the_drain_once_and_reports_it(
+    tmp_path: Path, signum: signal.Signals, boundary: str
+) -> None:
+    from tests.test_host_actions import LiteLlmStandIn, litellm_keys, server_roster
+    from tests.test_notify_e2e import zulip_config
+    from tests.zulip_stand_in import ZulipStandIn
+
+    proxy = LiteLlmStandIn("sk-master", ["deploy-1"])
+    model = CountingServer()
+    port = free_port()
+    in_verification = boundary == "in the verification"
+    with ZulipStandIn() as zulip:
+        try:
+            setup = write_setup(
+                tmp_path,
+                servers={"alpha": model.url},
+                listen=f"127.0.0.1:{port}",
+                extra=zulip_config(zulip.write_zuliprc(tmp_path / "zuliprc")),
+            )
+            server_roster(tmp_path, model.url, litellm_keys(tmp_path, proxy, "sk-master",
+                                                            "deploy-1"))  # fmt: skip
+            (setup.playbooks / "probe.yaml").write_text(
+                DRAIN_THEN_WAIT.format(wait=0.1 if in_verification else 60, verify=60)
+            )
+            replica = Replica(setup, port, tmp_path / "remediator.log").start()
+            replica.request("POST", "/webhook/alertmanager", alert_for("alpha", "a" * 16))
+
+            def at_boundary() -> bool:
+                runs = replica.runs()
+                if not runs or runs[-1]["state"] != "running":
+                    return False
+                steps = runs[-1]["steps"]
+                if in_verification:  # every step and the undo done: verifying now
+                    return len(steps) == 4 and all(s["result"] == "ok" for s in steps)
+                return len(steps) >= 2 and steps[1]["result"] == "running"
+
+            wait_until(at_boundary, timeout=30, what=f"the run {boundary}")
+            assert proxy.blocked["deploy-1"] is (not in_verification)
+            assert replica.proc is not None
+            started = time.monotonic()
+            replica.proc.send_signal(signum)
+            replica.proc.wait(timeout=30)
+            if signum == signal.SIGTERM:
+                assert time.monotonic() - started < 20  # within the unit's TimeoutStopSec
+                assert replica.proc.returncode == 0, replica.tail()
+                assert proxy.blocked["deploy-1"] is False  # undone before it exited
+            replica.start()
+            wait_until(lambda: not proxy.blocked["deploy-1"], timeout=30, what="the unblock")
+            wait_until(
+                lambda: any("Interrupted" in m.content for m in zulip.stream_messages()),
+                timeout=30,
+                what="the interruption's report",
+            )
+            runs = replica.runs()
+            first = runs[-1]
+            assert first["outcome"] == "interrupted", first
+            unblocks = [call for call in proxy.calls if call[0] == "/model/unblock"]
+            assert len(unblocks) == 1, proxy.calls  # undone exactly once
+            assert model.count("/restart") == (1 if in_verification else 0)  # never repeated
+            undo_steps = [s for s in first["steps"] if s["action"] == "litellm_unblock"]
+            assert [s["result"] for s in undo_steps] == ["ok"]
+            if signum == signal.SIGTERM and not in_verification:
+                assert "undone: put deploy-1 back into LiteLLM's routing" in first["verification"]
+            [report] = [m for m in zulip.stream_messages() if "Interrupted" in m.content]
+            assert "litellm_unblock" in report.content
+            # Still firing: judged again through admission, and the interrupted run left a
+            # cooldown on the server, so the new run waits instead of acting at once.
+            wait_until(lambda: len(replica.runs()) == 2, timeout=30, what="the new run")
+            again = replica.runs()[0]
+            assert again["state"] == "pending" and again["wait_reason"] == "cooldown", again
+        finally:
+            if "replica" in locals():
+                replica.stop()
+            model.close()
+            proxy.close()
+
+
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGSTOP"])
+def test_a_lost_replicas_run_is_taken_over_and_it_acts_no_more(tmp_path: Path, how: str) -> None:
+    from tests.test_host_actions import LiteLlmStandIn, litellm_keys, server_roster
+
+    proxy = LiteLlmStandIn("sk-master", ["deploy-1"])
+    model = CountingServer()
+    replicas: list[Replica] = []
+    with throwaway_database() as url:
+        try:
+            for name in ("a", "b"):
+                directory = tmp_path / name
+                directory.mkdir()
+                port = free_port()
+                setup = write_setup(
+                    directory,
+                    servers={"alpha": model.url},
+                    journal_url=url,
+                    listen=f"127.0.0.1:{port}",
+                    extra=f"replica_id: replica-{name}\nlock_ttl_seconds: 10\n",
+                )
+                server_roster(directory, model.url, litellm_keys(directory, proxy, "sk-master",
+                                                                 "deploy-1"))  # fmt: skip
+                (setup.playbooks / "probe.yaml").write_text(
+                    DRAIN_THEN_WAIT.format(wait=15, verify=5)
+                )
+                replicas.append(Replica(setup, port, directory / "remediator.log").start())
+            for replica in replicas:  # both Alertmanagers deliver to both replicas
+                replica.request("POST", "/webhook/alertmanager", alert_for("alpha", "c" * 16))
+            wait_until(lambda: any(r["state"] == "running" for r in replicas[0].runs()),
+                       timeout=30, what="the run to act")  # fmt: skip
+            [run] = replicas[0].runs()
+            owner = next(r for r in replicas if run["owner"].endswith(r.setup.config.parent.name))
+            other = next(r for r in replicas if r is not owner)
+            assert owner.proc is not None and proxy.blocked["deploy-1"]
+            owner.proc.send_signal(getattr(signal, how))
+            lost = time.monotonic()
+            wait_until(
+                lambda: other.runs()[-1]["outcome"] == "interrupted",
+                timeout=40,
+                what="the other replica to take the run over",
+            )
+            taken = other.runs()[-1]
+            assert taken["owner"] == f"replica-{other.setup.config.parent.name}"
+            assert time.monotonic() - lost < 10 + 5 + 10  # the TTL, a heartbeat, slack
+            wait_until(lambda: not proxy.blocked["deploy-1"], timeout=20, what="the unblock")
+            events = other.request("GET", "/api/events?kind=takeover", admin=True)["events"]
+            assert len(events) == 1 and "taken over" in events[0]["detail"]
+            if how == "SIGSTOP":
+                owner.proc.send_signal(signal.SIGCONT)
+                # Its wait step ends now; the fence stops it before the restart.
+                wait_until(lambda: "acting on it no more" in owner.tail(), timeout=30,
+                           what="the resumed replica to stand down")  # fmt: skip
+            time.sleep(1)
+            assert model.count("/restart") == 0  # the half-done run was not carried on
+            unblocks = [call for call in proxy.calls if call[0] == "/model/unblock"]
+            assert len(unblocks) == 1, proxy.calls
+        finally:
+            for replica in replicas:
+                if replica.proc is not None and replica.proc.poll() is None:
+                    replica.proc.send_signal(signal.SIGCONT)
+                replica.stop()
+            model.close()
+            proxy.close()

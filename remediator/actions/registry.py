@@ -143,6 +143,7 @@ class RegisteredAction:
     fn: ActionFn
     default_timeout_seconds: float
     read_only: bool = False
+    undo_first: Callable[[ActionContext, Any], Undo | None] | None = None
 
     def parse_params(self, raw: Mapping[str, Any]) -> BaseModel:
         """Validate filled params; raises `pydantic.ValidationError`."""
@@ -165,8 +166,14 @@ def action(
     *,
     default_timeout_seconds: float = 60.0,
     read_only: bool = False,
+    undo_first: Callable[[ActionContext, P], Undo | None] | None = None,
 ) -> Callable[[Callable[[ActionContext, P], StepResult]], Callable[[ActionContext, P], StepResult]]:
     """Register `fn(ctx, params) -> StepResult` as the action `name` taking `params`.
+
+    `undo_first(ctx, params)` names, before the action runs, the undo it may need (an undo is
+    recorded before the step that needs it): the engine journals it with the step's start,
+    so a crash in the middle of the step still leaves the undo to run. An action whose
+    result then carries no undo had nothing to undo; the engine marks it not needed.
 
     Raises `ValueError` for a bad or taken name, a non-positive default time limit, or a
     params model that accepts unknown keys.
@@ -193,6 +200,7 @@ def action(
                 fn=fn,
                 default_timeout_seconds=default_timeout_seconds,
                 read_only=read_only,
+                undo_first=undo_first,
             )
         return fn
 

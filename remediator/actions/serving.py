@@ -214,7 +214,20 @@ def busy_slots(ctx: ActionContext, entry: Server) -> tuple[int | None, str]:
     return busy, f"/slots ({len(slots)} slots)"
 
 
-@action("drain", DrainParams, default_timeout_seconds=90.0)
+def _unblock_undo(ctx: ActionContext, params: DrainParams) -> Undo | None:
+    """What drain will need undone: the server's deployment back into LiteLLM's routing."""
+    entry = ctx.target.server_entry
+    if entry is None or entry.litellm is None:
+        return None
+    return Undo(
+        "litellm_unblock",
+        ActionParams(),
+        params.unblock_timeout_seconds,
+        f"put {entry.litellm.model_id} back into LiteLLM's routing",
+    )
+
+
+@action("drain", DrainParams, default_timeout_seconds=90.0, undo_first=_unblock_undo)
 def drain(ctx: ActionContext, params: DrainParams) -> StepResult:
     """Take the server out of its proxy's routing (if any), then wait for idle slots."""
     entry = _server(ctx, "drain")
@@ -226,12 +239,7 @@ def drain(ctx: ActionContext, params: DrainParams) -> StepResult:
         blocked, what = _litellm(ctx, "/model/block")
         lines.append(what)
         if blocked:
-            undo = Undo(
-                "litellm_unblock",
-                ActionParams(),
-                params.unblock_timeout_seconds,
-                f"put {entry.litellm.model_id} back into LiteLLM's routing",
-            )
+            undo = _unblock_undo(ctx, params)
         elif params.require_proxy:
             return StepResult(False, "drain: " + what)
     start = time.monotonic()

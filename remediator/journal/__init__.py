@@ -38,7 +38,7 @@ from remediator.journal.db import (
     utcnow,
 )
 from remediator.journal.leases import Leases
-from remediator.journal.rails import Plan, Rails, Verdict
+from remediator.journal.rails import Plan, Verdict
 from remediator.journal.records import (
     Admission,
     AlertRecord,
@@ -49,7 +49,9 @@ from remediator.journal.records import (
     ReportLike,
     RunRecord,
     StepRecord,
+    UndoRecord,
 )
+from remediator.journal.recovery import Recovery
 from remediator.journal.schema import (
     alerts,
     events,
@@ -77,6 +79,7 @@ __all__ = [
     "RunRecord",
     "RunStateError",
     "StepRecord",
+    "UndoRecord",
     "Verdict",
     "bound_output",
 ]
@@ -84,7 +87,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-class Journal(Admissions, Rails, Leases):
+class Journal(Admissions, Recovery, Leases):
     """The remediator's durable state in SQLite or PostgreSQL; safe to share between threads.
 
     `replica_id` names this process among the replicas (claims record it, and

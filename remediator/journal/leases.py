@@ -21,20 +21,21 @@ from remediator.journal.schema import locks
 class Leases(Database):
     """Named leases in the `locks` table."""
 
-    def take_lease(self, name: str, ttl: timedelta) -> bool:
+    def take_lease(self, name: str, ttl: timedelta, *, owner: str | None = None) -> bool:
         """Hold the lease `name` for `ttl` from now (taken, renewed, or taken over once expired).
 
         False while another replica holds it unexpired. One row of the `locks` table (target
         `lease/NAME`, run 0), so two replicas cannot both hold it (see the module).
         """
         target = f"lease/{name}"
+        holder = owner if owner is not None else self.replica_id
 
         def body(conn: Connection) -> bool:
             for _ in range(ATTEMPTS):
                 now = self._clock()
                 held = {
                     "run_id": 0,
-                    "owner": self.replica_id,
+                    "owner": holder,
                     "expires_at": now + ttl,
                     "ttl_seconds": ttl.total_seconds(),
                 }
@@ -49,7 +50,7 @@ class Leases(Database):
                 current = conn.execute(sa.select(locks).where(locks.c.target == target)).first()
                 if current is None:
                     continue  # released in between: try again
-                mine = current.owner == self.replica_id
+                mine = current.owner == holder
                 if not mine and current.expires_at > now:
                     return False
                 values = held if mine else {**held, "acquired_at": now}
@@ -68,13 +69,12 @@ class Leases(Database):
 
         return self._tx("take a lease", body)
 
-    def release_lease(self, name: str) -> None:
-        """Give the lease `name` up if this replica holds it (a no-op otherwise)."""
+    def release_lease(self, name: str, *, owner: str | None = None) -> None:
+        """Give the lease `name` up if this replica (or `owner`) holds it (a no-op otherwise)."""
+        holder = owner if owner is not None else self.replica_id
         self._tx(
             "release a lease",
             lambda conn: conn.execute(
-                sa.delete(locks).where(
-                    locks.c.target == f"lease/{name}", locks.c.owner == self.replica_id
-                )
+                sa.delete(locks).where(locks.c.target == f"lease/{name}", locks.c.owner == holder)
             ),
         )

@@ -414,12 +414,15 @@ class Rails(Runs):
         With a disruptive `plan`: every target of its set cools down for the playbook's
         `cooldown_seconds`, and a failure that brings the target to `max_failures` opens its
         breaker (`on_open`, the escalation's reports, are queued only then). Runs waiting for
-        the targets or places it held become due.
+        the targets or places it held become due. An `interrupted` run (a graceful stop cut
+        it short, its undos done) is judged again through a new run if its alert still fires.
         """
 
         def body(conn: Connection) -> bool:
             now = self._clock()
-            values = {"outcome": outcome, "verification": clean(verification)}
+            values: dict[str, Any] = {"outcome": outcome, "verification": clean(verification)}
+            if outcome == "interrupted":
+                values["interrupt_reported"] = True  # its report is in `reports`
             self._end(conn, run_id, ("claimed", "running"), values, reports,
                       what=f"finish run {run_id}")  # fmt: skip
             opened = False
@@ -443,6 +446,8 @@ class Rails(Runs):
                             self._enqueue(conn, report, run_id, now)
                         opened = True
             self._make_due(conn, ("locked", "busy", "rate_limited"), now)
+            if outcome == "interrupted":
+                self._readmit(conn, run_id, now)  # judged again, if its alert still fires
             return opened
 
         return self._tx("finish a run", body)

@@ -43,6 +43,24 @@ class StepRecord:
 
 
 @dataclass(frozen=True)
+class UndoRecord:
+    """An immediate undo a step asked for: `action` with `params`, within `timeout_seconds`.
+
+    `index` orders a run's undos (they run newest first); `asked_by` is the step's index;
+    `state` is `pending` until it ran (`done` or `failed`, with its `output`).
+    """
+
+    index: int
+    asked_by: int
+    action: str
+    params: dict[str, Any]
+    timeout_seconds: float
+    why: str
+    state: str = "pending"
+    output: str | None = None
+
+
+@dataclass(frozen=True)
 class RunRecord:
     """One run: what an alert caused, with the alert and its steps."""
 

@@ -9,7 +9,7 @@ count says whether it happened: a run in another state raises `RunStateError`.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -19,8 +19,8 @@ from sqlalchemy.engine import Connection
 from remediator.journal.db import RunStateError, bound_output, clean
 from remediator.journal.events import Events
 from remediator.journal.outbox import Outbox
-from remediator.journal.records import AlertRecord, ReportLike, RunRecord, StepRecord
-from remediator.journal.schema import alerts, locks, runs, steps
+from remediator.journal.records import AlertRecord, ReportLike, RunRecord, StepRecord, UndoRecord
+from remediator.journal.schema import alerts, runs, steps, undos
 
 _CLAIM_ATTEMPTS = 20
 CANCELLABLE = "pending"
@@ -186,10 +186,14 @@ class Runs(Outbox, Events):
         finished_at: datetime | None,
         result: str,
         output: str,
+        undo: UndoRecord | None = None,
     ) -> None:
         """Write a step (by run and index): when it starts (result `running`) and when it ends.
 
         The output is cut to `STEP_OUTPUT_MAX_BYTES` (64 KiB) of UTF-8, head and tail kept.
+        `undo`, the immediate undo the step's result asks for, is journaled in the same
+        transaction (its `index` is assigned here), so a crash can never keep the one
+        without the other.
         """
         stmt = self._upsert(
             steps,
@@ -205,76 +209,98 @@ class Runs(Outbox, Events):
                 "output": bound_output(output),
             },
         )
-        self._tx("record a step", lambda conn: conn.execute(stmt))
 
-    def recover_interrupted(
-        self, reports_for: Callable[[RunRecord], Sequence[ReportLike]] | None = None
-    ) -> list[int]:
-        """At start-up, take back this replica's runs a crash or kill left behind.
+        def body(conn: Connection) -> None:
+            conn.execute(stmt)
+            if undo is None:
+                return
+            count = conn.execute(
+                sa.select(sa.func.count()).select_from(undos).where(undos.c.run_id == run_id)
+            ).scalar_one()
+            conn.execute(
+                sa.insert(undos).values(
+                    run_id=run_id,
+                    idx=int(count),
+                    asked_by=undo.asked_by,
+                    action=undo.action,
+                    params=dict(undo.params),
+                    timeout_seconds=undo.timeout_seconds,
+                    why=clean(undo.why),
+                    state="pending",
+                    created_at=self._clock(),
+                )
+            )
 
-        Claimed (not yet acting) -> pending again: another worker decides them afresh.
-        Running -> done, outcome `interrupted`, with an `interrupted` event: never re-run,
-        because a half-done action (a kill, a restart) must not be repeated blindly; people
-        are told instead (and it counts as a failure in its targets' breakers). Steps left
-        `running` become `interrupted`; the targets it held are free once it is done, and any
-        lease this replica held is released (at start-up it holds none).
-        `reports_for(run)` gives each interrupted run's reports, queued in the same
-        transaction. Returns the interrupted run ids.
+        self._tx("record a step", body)
+
+    def undos(self, run_id: int, *, pending_only: bool = True) -> list[UndoRecord]:
+        """A run's immediate undos, newest first (only those not yet run, by default)."""
+        query = sa.select(undos).where(undos.c.run_id == run_id).order_by(undos.c.idx.desc())
+        if pending_only:
+            query = query.where(undos.c.state == "pending")
+        rows = self._tx("read undos", lambda conn: conn.execute(query).all(), write=False)
+        return [
+            UndoRecord(
+                index=row.idx,
+                asked_by=row.asked_by,
+                action=row.action,
+                params=row.params,
+                timeout_seconds=row.timeout_seconds,
+                why=row.why,
+                state=row.state,
+                output=row.output,
+            )
+            for row in rows
+        ]
+
+    def finish_undo(self, run_id: int, index: int, *, ok: bool, output: str) -> None:
+        """An undo ran: `done` or `failed`, with what it said."""
+        stmt = (
+            sa.update(undos)
+            .where(undos.c.run_id == run_id, undos.c.idx == index, undos.c.state == "pending")
+            .values(state="done" if ok else "failed", output=bound_output(output),
+                    done_at=self._clock())
+        )  # fmt: skip
+        self._tx("finish an undo", lambda conn: conn.execute(stmt))
+
+    def owns(self, run_id: int) -> bool:
+        """The fence: True while this replica holds run `run_id` running.
+
+        A replica checks it before each step; once another replica took the run over (its
+        heartbeat was silent past `lock_ttl_seconds`, e.g. SIGSTOPped) it is `done` and this
+        one must act on it no more.
         """
-        now = self._clock()
+        query = sa.select(runs.c.state, runs.c.owner).where(runs.c.id == run_id)
+        row = self._tx("check a run's owner", lambda conn: conn.execute(query).first(),
+                       write=False)  # fmt: skip
+        return row is not None and row.state == "running" and row.owner == self.replica_id
 
-        def body(conn: Connection) -> list[int]:
-            mine = conn.execute(
-                sa.select(runs.c.id, runs.c.state, runs.c.playbook, runs.c.target)
-                .where(runs.c.owner == self.replica_id, runs.c.state.in_(("claimed", "running")))
-                .order_by(runs.c.id)
-            ).all()
-            claimed = [row.id for row in mine if row.state == "claimed"]
-            running = [row for row in mine if row.state == "running"]
-            if claimed:
-                conn.execute(
-                    sa.update(runs)
-                    .where(runs.c.id.in_(claimed), runs.c.state == "claimed")
-                    .values(state="pending", owner=None, claimed_at=None)
-                )
-            interrupted = [int(row.id) for row in running]
-            if interrupted:
-                conn.execute(
-                    sa.update(runs)
-                    .where(runs.c.id.in_(interrupted), runs.c.state == "running")
-                    .values(
-                        state="done",
-                        outcome="interrupted",
-                        finished_at=now,
-                        verification="interrupted: the remediator stopped while the run "
-                        "was executing; not re-run",
-                    )
-                )
-                conn.execute(
-                    sa.update(steps)
-                    .where(steps.c.run_id.in_(interrupted), steps.c.result == "running")
-                    .values(result="interrupted", finished_at=now)
-                )
-                for row in running:
-                    self._add_event(
-                        conn,
-                        "interrupted",
-                        f"run {row.id} ({row.playbook} on {row.target}) was executing when "
-                        f"replica {self.replica_id} stopped; marked interrupted, not re-run",
-                        run_id=row.id,
-                        playbook=row.playbook,
-                        target=row.target,
-                    )
-                if reports_for is not None:
-                    for run in self._select_runs(conn, runs.c.id.in_(interrupted)):
-                        for report in reports_for(run):
-                            self._enqueue(conn, report, run.id, now)
-            # Leases this replica held before it stopped are its no more (the targets its runs
-            # held are free now that those runs are done).
-            conn.execute(sa.delete(locks).where(locks.c.owner == self.replica_id))
-            return interrupted
+    def _readmit(self, conn: Connection, run_id: int, now: datetime) -> int | None:
+        """After an interruption: a new pending run for the occurrence if it still fires.
 
-        return self._tx("recover interrupted runs", body)
+        It goes through admission's rails like any run (the interrupted one counts in the
+        breaker and left a cooldown): never re-run blindly. None when the alert resolved or
+        another run of it is still to come.
+        """
+        alert_id = conn.execute(sa.select(runs.c.alert_id).where(runs.c.id == run_id)).scalar()
+        if alert_id is None:
+            return None
+        status = conn.execute(sa.select(alerts.c.status).where(alerts.c.id == alert_id)).scalar()
+        unfinished = conn.execute(
+            sa.select(sa.func.count()).where(
+                runs.c.alert_id == alert_id, runs.c.state.in_(("pending", "claimed", "running"))
+            )
+        ).scalar_one()
+        if status != "firing" or unfinished:
+            return None
+        return int(
+            conn.execute(
+                sa.insert(runs)
+                .values(alert_id=alert_id, state="pending", reason=f"after run {run_id} was "
+                        "interrupted: judged again", created_at=now)
+                .returning(runs.c.id)
+            ).scalar_one()
+        )  # fmt: skip
 
     def _select_runs(
         self, conn: Connection, where: sa.ColumnElement[bool], limit: int | None = None

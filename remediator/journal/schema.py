@@ -38,7 +38,8 @@ run disrupts (`disruptive`); the targets a disruptive run touches (`run_targets`
 per target instead of per (target, playbook) (`target_cooldowns`, `target_breakers`, which
 replace `cooldowns` and `breakers`); notifications refused after acceptance (`rejected`);
 maintenance that ends (`until`); who acted on an event and what it refers to (`actor`,
-`ref_id`).
+`ref_id`); durable immediate undos (`undos`) and whether an interrupted run was reported
+(`interrupt_reported`); Alertmanager's `truncatedAlerts` per notification (`truncated`).
 """
 
 # SQLite's rowid alias must be spelled INTEGER PRIMARY KEY; PostgreSQL gets a 64-bit identity.
@@ -117,6 +118,8 @@ notifications = sa.Table(
     # Version 3: admission happens in the request; a body that failed in an unforeseen way
     # after it parsed is kept with the reason (answered 400), never blocking another.
     sa.Column("rejected", sa.Text, nullable=True),
+    # Alertmanager's `truncatedAlerts`: alerts of the group it left out of this body.
+    sa.Column("truncated", sa.Integer, nullable=True),
 )
 
 alerts = sa.Table(
@@ -185,6 +188,9 @@ runs = sa.Table(
     sa.Column("waiting_since", UTCDateTime, nullable=True),
     sa.Column("wait_reported", sa.Boolean, nullable=True),
     sa.Column("disruptive", sa.Boolean, nullable=True),  # set when it starts running
+    # An interrupted run is reported once its immediate undos ran (at stop, at the next start,
+    # or by the replica that took it over); True once that report is queued.
+    sa.Column("interrupt_reported", sa.Boolean, nullable=True),
     sa.CheckConstraint("state IN (" + ", ".join(f"'{s}'" for s in RUN_STATES) + ")", name="state"),
     sa.Index(None, "state", "id"),  # claim: oldest pending first
     sa.Index(None, "alert_id"),
@@ -217,6 +223,27 @@ steps = sa.Table(
     sa.Column("finished_at", UTCDateTime, nullable=True),
     sa.Column("result", sa.Text, nullable=False),
     sa.Column("output", sa.Text, nullable=False),
+)
+
+undos = sa.Table(
+    "undos",
+    metadata,
+    # Immediate undos (a deployment back into routing): journaled in the transaction of the
+    # step result that asked for one, run at the end of the run whatever happened, at a
+    # graceful stop, or after a crash by the next start or the replica that takes over.
+    sa.Column("run_id", _ID, sa.ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True),
+    sa.Column("idx", sa.Integer, primary_key=True, autoincrement=False),
+    sa.Column("asked_by", sa.Integer, nullable=False),  # the step's index
+    sa.Column("action", sa.Text, nullable=False),
+    sa.Column("params", JSONText, nullable=False),
+    sa.Column("timeout_seconds", sa.Float, nullable=False),
+    sa.Column("why", sa.Text, nullable=False),
+    sa.Column("state", sa.String(16), nullable=False),
+    sa.Column("output", sa.Text, nullable=True),
+    sa.Column("created_at", UTCDateTime, nullable=False),
+    sa.Column("done_at", UTCDateTime, nullable=True),
+    sa.CheckConstraint("state IN ('pending', 'done', 'failed')", name="state"),
+    sa.Index(None, "state", "run_id"),
 )
 
 locks = sa.Table(
@@ -455,6 +482,9 @@ def _migrate_to_3(conn: Connection, now: datetime) -> None:
     conn.execute(run_targets.insert().from_select(["run_id", "target"], running))
     conn.execute(sa.update(runs).where(runs.c.state == "running").values(disruptive=True))
     conn.execute(sa.delete(locks).where(~locks.c.target.startswith("lease/")))
+    _add_columns(conn, runs.name, [("interrupt_reported", sa.Boolean())])
+    _add_columns(conn, notifications.name, [("truncated", sa.Integer())])
+    undos.create(conn, checkfirst=True)
 
 
 MIGRATIONS: dict[int, Callable[[Connection, datetime], None]] = {2: _migrate_to_2, 3: _migrate_to_3}

@@ -104,7 +104,7 @@ test: deps venv lint typecheck unit floor
 	$(BIN)/python bench/exporter_amd.py --scrapes 20
 	$(BIN)/python bench/exporter_servers.py --scrapes 2
 	$(BIN)/python bench/port_ghosts.py --processes 50 --runs 20
-	$(BIN)/python bench/webhook.py --notifications 100 --distinct 10
+	$(BIN)/python bench/webhook.py --notifications 100 --distinct 10 --storm-seconds 3
 
 ## make bench: AMD sysfs vs node_exporter; six servers, one hung; port ghosts; webhook
 bench: deps venv

@@ -311,8 +311,8 @@ class NvidiaCollector:
         job = self._submit(self._start)
         if job is not None and not job.done.wait(timeout_seconds):
             log.warning(
-                "NVML initialisation did not finish within %g s (%s); NVIDIA GPUs found later "
-                "get `gpu` indices after the other vendors' GPUs",
+                "NVML initialisation did not finish within %g s (%s); `gpu` indices come from "
+                "PCI sysfs, only an NVIDIA GPU it lacks would be numbered after the others",
                 timeout_seconds,
                 self._describe_call(),
             )

@@ -546,9 +546,9 @@ extras: 1
     assert len(problems) == len(expected), problems
     assert not any("plain-text-password" in line for line in problems)  # never echoed
 
-    # The same through the command line: exit 2, every line, nothing on stdout.
+    # The same through the command line's check: exit 2, every line, nothing on stdout.
     result = subprocess.run(
-        [EXPORTER, "--once", "--sysfs", str(tmp_path), "--web.config.file", str(config)],
+        [EXPORTER, "--check-config", "--sysfs", str(tmp_path), "--web.config.file", str(config)],
         capture_output=True,
         text=True,
         timeout=60,

@@ -22,6 +22,8 @@ Verbs (`exporter.node.protocol`):
 - `restart|stop|start SERVER`: `systemctl ACTION UNIT`, then wait (`--wait-seconds`, 30) for
   `active` (restart: with a new main process) or `inactive`/`failed`;
 - `guard-port SERVER`: the port guard (`exporter.node.guard`);
+- `check-config` (local only, not under `--ssh`): the roster checked and this host found in it,
+  nothing else touched;
 - `power-cap GPU WATTS PCI_BUS_ID`, `power-cap-restore GPU PCI_BUS_ID`: NVML's power limit or
   amdgpu's `power1_cap`, the previous value recorded under `--state-dir` (`exporter.node.gpus`);
   refused unless this host numbers GPU `GPU` as the card `PCI_BUS_ID` (`exporter.gpu_index`).

@@ -65,7 +65,11 @@ def _parser() -> argparse.ArgumentParser:
     with_config(sub.add_parser("check-config", help="validate config, roster and playbooks"))
     replay = with_config(sub.add_parser("replay", help="feed a saved webhook payload through"))
     replay.add_argument("payload", type=Path, help="a saved Alertmanager webhook body (JSON)")
-    replay.add_argument("--dry-run", action="store_true", help="journal what would run, run none")
+    replay.add_argument("--live", action="store_true",
+                        help="admit it into the live journal and act for real (default: a "
+                        "sandbox: an in-memory journal, nothing acts)")  # fmt: skip
+    replay.add_argument("--dry-run", action="store_true",
+                        help="with --live: journal what would run, run none")  # fmt: skip
     runs = with_config(sub.add_parser("runs", help="recent runs, as a table"))
     runs.add_argument("--limit", type=int, default=20)
     runs.add_argument("--json", action="store_true", help="JSON instead of a table")
@@ -133,10 +137,13 @@ def main(argv: list[str] | None = None) -> int:
         config = _load(args.config)
         if args.command == "check-config":
             return _check(config)
+        if args.command == "replay":
+            config = _replay_config(config, live=args.live)
+        sandbox = args.command == "replay" and not args.live
         services = build_services(
             config,
             with_engine=args.command in ("serve", "replay"),
-            dry_run=True if getattr(args, "dry_run", False) else None,
+            dry_run=True if getattr(args, "dry_run", False) or sandbox else None,
         )
         if args.command in _ACTS:
             try:
@@ -153,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "serve":
             return _serve(services)
         if args.command == "replay":
-            return _replay(services, args.payload)
+            return _replay(services, args.payload, live=args.live)
         return _runs(services, args.limit, as_json=args.json, waiting=args.waiting)
     finally:
         services.close()
@@ -252,7 +259,19 @@ def _safe_url(url: str) -> str:
     return scheme + sep + rest
 
 
-def _replay(services: Services, payload: Path) -> int:
+def _replay_config(config: RemediatorConfig, *, live: bool) -> RemediatorConfig:
+    """`replay`'s config: a sandbox by default, a replica id of its own with `--live`.
+
+    The sandbox has an in-memory journal (the live one is never opened: no alert is used up,
+    no queued run claimed) and no Zulip; `--live` acts as `<replica_id>-replay`, so the serving
+    replica's runs and leases stay its own.
+    """
+    if live:
+        return config.model_copy(update={"replica_id": f"{config.replica_id}-replay"[:128]})
+    return config.model_copy(update={"journal": "sqlite://", "zulip": None})
+
+
+def _replay(services: Services, payload: Path, *, live: bool) -> int:
     from remediator.alerts import PayloadError, parse_notification  # noqa: PLC0415
 
     try:
@@ -263,7 +282,10 @@ def _replay(services: Services, payload: Path) -> int:
         return EXIT_CONFIG
     result = services.journal.admit(notification, body)
     assert services.engine is not None
-    services.engine.process_all()
+    services.engine.process_runs(result.new_run_ids)  # its own runs only, never another's
+    where = f"live journal {services.journal.safe_url}" if live else (
+        "sandbox: an in-memory journal, dry-run (--live acts for real)")  # fmt: skip
+    print(f"replay ({where})")
     print(
         f"notification: {len(result.new_run_ids)} new runs, {result.duplicates} duplicates, "
         f"{result.resolved} resolved"

@@ -29,7 +29,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 
@@ -330,6 +330,10 @@ class Engine:
     def start(self) -> None:
         """Claim the replica id, recover from a crash, then start the workers and the heartbeat."""
         self.claim_identity()
+        admitted = self.journal.admit_leftovers()  # accepted by an older version, not yet runs
+        if admitted:
+            log.info("admitted %d notifications an older version had accepted", admitted)
+            self._reported()
         self.recover()
         self._loops = [
             Loop(f"engine-{index}", self._work_once, self._stop, self.metrics)
@@ -454,6 +458,16 @@ class Engine:
                 )
             self.metrics.runs.labels(run.playbook or "unknown", "failed").inc()
         return True
+
+    def process_runs(self, run_ids: Sequence[int]) -> int:
+        """Handle exactly these runs, if still pending (`replay --live`); how many."""
+        count = 0
+        for run_id in run_ids:
+            run = self.journal.claim_run(run_id)
+            if run is not None:
+                self.handle(run)
+                count += 1
+        return count
 
     def process_all(self) -> int:
         """Handle due runs until none is left (`replay`, tests); how many were handled.

@@ -183,6 +183,12 @@ class RemediatorMetrics:
             ["loop"],
             registry=self.registry,
         )
+        self.alerts_truncated = Counter(
+            "gpufleet_remediator_alerts_truncated",
+            "Alerts Alertmanager left out of notifications (`truncatedAlerts`, its max_alerts): "
+            "never handled, named in the group's reports.",
+            registry=self.registry,
+        )
         self.admission_errors = Counter(
             "gpufleet_remediator_admission_errors",
             "Notifications that parsed but failed admission in an unforeseen way (answered "

@@ -83,6 +83,11 @@ class WebhookEndpoint:
             notification = parse_notification(body)
         except PayloadError as exc:
             return "400 Bad Request", {"error": str(exc)}, []
+        if notification.truncatedAlerts:
+            # Alertmanager's max_alerts cut the group: those alerts never reach us this way.
+            log.warning("webhook: Alertmanager left %d alerts of group %s out of the notification",
+                        notification.truncatedAlerts, notification.groupKey[:200])  # fmt: skip
+            self._metrics.alerts_truncated.inc(notification.truncatedAlerts)
         try:
             admission = self._journal.admit(notification, body)
         except JournalError as exc:

@@ -148,3 +148,18 @@ def test_without_a_zulip_section_nothing_is_queued(tmp_path: Path) -> None:
         assert lab.services.sender is None
         assert lab.services.journal.outbox_entries() == []
         assert lab.runs()[0]["outcome"] == "healed"
+
+
+def test_truncated_alerts_are_counted_and_said_in_the_groups_report(
+    tmp_path: Path, zulip: ZulipStandIn
+) -> None:
+    for lab in lab_with_zulip(tmp_path, zulip):
+        body = fixture("firing")
+        body["truncatedAlerts"] = 3  # Alertmanager's max_alerts cut the group
+        assert lab.post(body).status_code == 200
+        lab.process()
+        assert send(lab) == 1
+        [report] = zulip.stream_messages()
+        assert "Alertmanager left 3 more alert(s) of this group out" in report.content
+        metrics = lab.client.get("/metrics").get_data(as_text=True)
+        assert "gpufleet_remediator_alerts_truncated_total 3.0" in metrics

@@ -38,26 +38,81 @@ def test_check_config_ok_and_errors(tmp_path: Path) -> None:
     assert "broken.yaml" in broken.stderr and "explode" in broken.stderr
 
 
-def test_replay_dry_run_then_for_real_and_runs_table(tmp_path: Path) -> None:
+def test_replay_is_a_sandbox_unless_live_and_never_claims_other_runs(tmp_path: Path) -> None:
+    from remediator.alerts import parse_notification
+    from remediator.journal import Journal
+
     alpha = CountingServer()
     try:
         setup = write_setup(tmp_path, servers={"alpha": alpha.url})
+        # The serving replica's journal holds a queued run already (say a worker is busy).
+        journal_url = f"sqlite:///{tmp_path / 'journal.db'}"
+        live = Journal(journal_url, replica_id="central-1")
+        queued = (ALERTMANAGER_FIXTURES / "repeat-interval.json").read_bytes()
+        queued_body = queued.replace(b"5f2a9c0e1b3d4a67", b"0123456789abcdef")
+        [queued_run] = live.admit(parse_notification(queued_body), queued_body).new_run_ids
+        live.close()
         payload = str(ALERTMANAGER_FIXTURES / "firing.json")
-        dry = run("replay", payload, "--config", str(setup.config), "--dry-run")
-        assert dry.returncode == 0, dry.stderr
-        assert "dry_run" in dry.stdout and alpha.count("/health") == 0
+        sandbox = run("replay", payload, "--config", str(setup.config))
+        assert sandbox.returncode == 0, sandbox.stderr
+        assert "sandbox" in sandbox.stdout and "dry_run" in sandbox.stdout
+        assert alpha.count("/health") == 0
+        table = run("runs", "--config", str(setup.config), "--json")
+        assert len(json.loads(table.stdout)) == 1  # the live journal saw nothing of it
         grouped = str(ALERTMANAGER_FIXTURES / "grouped.json")
-        real = run("replay", grouped, "--config", str(setup.config))
+        real = run("replay", grouped, "--config", str(setup.config), "--live")
         assert real.returncode == 0, real.stderr
+        assert "live journal" in real.stdout
         assert "healed" in real.stdout and "rejected" in real.stdout
         assert alpha.count("/health") == 1
         table = run("runs", "--config", str(setup.config))
         assert table.returncode == 0
         assert "LlamaServerDown" in table.stdout and "server/dioscuri/alpha" in table.stdout
-        as_json = json.loads(run("runs", "--config", str(setup.config), "--json").stdout)
+        as_json = {r["id"]: r for r in json.loads(
+            run("runs", "--config", str(setup.config), "--json").stdout)}  # fmt: skip
         assert len(as_json) == 4
+        # The queued run is the serving replica's to handle: still pending, nobody claimed it.
+        assert as_json[queued_run]["state"] == "pending"
+        assert {r["owner"] for i, r in as_json.items() if i != queued_run} == {
+            f"{_replica(setup.config)}-replay"
+        }
     finally:
         alpha.close()
+
+
+def _replica(config: Path) -> str:
+    from remediator.config import load_config
+
+    return load_config(config).replica_id
+
+
+def test_people_act_from_the_cli_and_are_journaled_with_who_and_why(tmp_path: Path) -> None:
+    setup = write_setup(tmp_path, servers={"alpha": "http://127.0.0.1:9"})
+    config = ["--config", str(setup.config)]
+    assert run("pause", *config, "--reason", "deploy").returncode == 0
+    assert run("resume", *config).returncode == 0
+    on = run("maintenance", "dioscuri", "on", *config, "--until", "2030-01-01T00:00:00Z",
+             "--reason", "swap")  # fmt: skip
+    assert on.returncode == 0, on.stderr
+    assert run("maintenance", "nowhere", "on", *config).returncode == 2
+    assert run("maintenance", "dioscuri", "on", *config, "--until", "soon").returncode == 2
+    reset = run("breaker", "reset", "server/dioscuri/alpha", *config)
+    assert reset.returncode == 1 and "not open" in reset.stderr
+    assert run("escalation", "ack", "12345", *config).returncode == 1
+    assert run("cancel", "999", *config).returncode == 1
+    from remediator.journal import Journal
+
+    journal = Journal(f"sqlite:///{tmp_path / 'journal.db'}", replica_id="x")
+    try:
+        kinds = {e.kind: e for e in journal.events()}
+        assert {"paused", "resumed", "maintenance_on"} <= set(kinds)
+        assert kinds["paused"].actor is not None and kinds["paused"].actor.startswith("cli:")
+        assert "deploy" in kinds["paused"].detail
+        assert "until 2030-01-01" in kinds["maintenance_on"].detail
+        [(host, window)] = journal.maintenance_windows().items()
+        assert host == "dioscuri" and window[1] is not None and window[2] == "swap"
+    finally:
+        journal.close()
 
 
 def test_roster_file_sd() -> None:

@@ -113,7 +113,6 @@ class Journal(Admissions, Recovery, Leases):
         self.lock_ttl = lock_ttl
         self.dedupe_window = dedupe_window
         self.resolved_reports = None
-        self._admit_leftovers()
 
     def schema_version(self) -> int:
         """The schema version the database holds."""
@@ -121,11 +120,14 @@ class Journal(Admissions, Recovery, Leases):
 
         return self._tx("read the schema version", current_version, write=False)
 
-    def _admit_leftovers(self) -> None:
+    def admit_leftovers(self) -> int:
         """Admit notifications an older version accepted but had not ingested when it stopped.
 
         Before version 3 the webhook stored the body first and made runs from it later; an
-        upgrade must not lose one that was answered 200.
+        upgrade must not lose one that was answered 200. Each is admitted as itself and
+        marked in the same transaction (two replicas starting together admit it once: the
+        second finds it marked, or its runs deduped). The engine calls this at start, once
+        its `resolved_reports` hook is set. Returns how many were admitted.
         """
         query = (
             sa.select(notifications.c.id, notifications.c.raw)
@@ -140,8 +142,8 @@ class Journal(Admissions, Recovery, Leases):
             except PayloadError as exc:
                 self._mark_leftover(row.id, f"cannot be admitted after the upgrade: {exc}")
                 continue
-            self.admit(notification, str(row.raw).encode())
-            self._mark_leftover(row.id, None)
+            self.admit(notification, str(row.raw).encode(), recorded=int(row.id))
+        return len(leftovers)
 
     def _mark_leftover(self, notification_id: int, rejected: str | None) -> None:
         stmt = (

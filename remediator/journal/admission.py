@@ -77,25 +77,42 @@ class Admissions(Runs):
     not block: it renders text, nothing more.
     """
 
-    def admit(self, notification: Notification, raw: bytes) -> Admission:
-        """Record a notification, dedupe its alerts and make or close runs: one transaction."""
+    def admit(
+        self, notification: Notification, raw: bytes, *, recorded: int | None = None
+    ) -> Admission:
+        """Record a notification, dedupe its alerts and make or close runs: one transaction.
+
+        `recorded`: the id of a notification already in the journal (one an older version
+        accepted without making its runs), admitted as itself and marked in this transaction.
+        """
         raw_text = clean(raw.decode("utf-8", errors="replace"))
 
         def body(conn: Connection) -> Admission:
             now = self._clock()
-            notification_id = int(
-                conn.execute(
-                    _ADD_NOTIFICATION,
-                    {
-                        "received_at": now,
-                        "group_key": clean(notification.groupKey),
-                        "receiver": clean(notification.receiver),
-                        "raw": raw_text,
-                        "replica": self.replica_id,
-                        "ingested_at": now,
-                    },
-                ).scalar_one()
-            )
+            if recorded is not None:
+                notification_id = recorded
+                marked = conn.execute(
+                    sa.update(notifications)
+                    .where(notifications.c.id == recorded, notifications.c.ingested_at.is_(None))
+                    .values(ingested_at=now)
+                ).rowcount
+                if not marked:  # another replica admitted it first
+                    return Admission(notification_id, [], 0, 0, [])
+            else:
+                notification_id = int(
+                    conn.execute(
+                        _ADD_NOTIFICATION,
+                        {
+                            "received_at": now,
+                            "group_key": clean(notification.groupKey),
+                            "receiver": clean(notification.receiver),
+                            "raw": raw_text,
+                            "replica": self.replica_id,
+                            "ingested_at": now,
+                            "truncated": notification.truncatedAlerts or None,
+                        },
+                    ).scalar_one()
+                )
             new_runs: list[int] = []
             closed: list[int] = []
             duplicates = resolved = 0

@@ -83,6 +83,7 @@ class RunRecord:
     wait_reason: str | None = None
     waiting_since: datetime | None = None
     disruptive: bool | None = None
+    truncated_alerts: int | None = None  # Alertmanager left these out of the notification
 
     @property
     def waiting(self) -> bool:

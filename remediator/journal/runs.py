@@ -20,7 +20,7 @@ from remediator.journal.db import RunStateError, bound_output, clean
 from remediator.journal.events import Events
 from remediator.journal.outbox import Outbox
 from remediator.journal.records import AlertRecord, ReportLike, RunRecord, StepRecord, UndoRecord
-from remediator.journal.schema import alerts, runs, steps, undos
+from remediator.journal.schema import alerts, notifications, runs, steps, undos
 
 _CLAIM_ATTEMPTS = 20
 CANCELLABLE = "pending"
@@ -62,6 +62,22 @@ class Runs(Outbox, Events):
                 if won == 1:
                     return self._select_runs(conn, runs.c.id == candidate)[0]
             return None
+
+        return self._tx("claim a run", body)
+
+    def claim_run(self, run_id: int) -> RunRecord | None:
+        """Claim this pending run; None if it is not pending any more.
+
+        For `replay --live`, which handles its own runs and never another's.
+        """
+
+        def body(conn: Connection) -> RunRecord | None:
+            won = conn.execute(
+                sa.update(runs)
+                .where(runs.c.id == run_id, runs.c.state == "pending")
+                .values(state="claimed", owner=self.replica_id, claimed_at=self._clock())
+            ).rowcount
+            return self._select_runs(conn, runs.c.id == run_id)[0] if won else None
 
         return self._tx("claim a run", body)
 
@@ -308,9 +324,14 @@ class Runs(Outbox, Events):
         """Runs (newest first) with their alerts and steps: two queries, however many runs."""
         columns = [c.label(f"r_{c.name}") for c in runs.c]
         columns += [c.label(f"a_{c.name}") for c in alerts.c]
+        columns.append(notifications.c.truncated.label("n_truncated"))
         query = (
             sa.select(*columns)
-            .select_from(runs.join(alerts, runs.c.alert_id == alerts.c.id))
+            .select_from(
+                runs.join(alerts, runs.c.alert_id == alerts.c.id).outerjoin(
+                    notifications, alerts.c.notification_id == notifications.c.id
+                )
+            )
             .where(where)
             .order_by(runs.c.id.desc())
         )
@@ -369,6 +390,7 @@ class Runs(Outbox, Events):
                 wait_reason=row["r_wait_reason"],
                 waiting_since=row["r_waiting_since"],
                 disruptive=row["r_disruptive"],
+                truncated_alerts=row["n_truncated"],
             )
             for row in rows
         ]

@@ -249,6 +249,11 @@ class Reporter:
         summary = run.alert.annotations.get("summary")
         if summary:
             lines.append(inline(summary))
+        if run.truncated_alerts:
+            lines.append(
+                f"⚠️ Alertmanager left {run.truncated_alerts} more alert(s) of this group out of "
+                "its notification (`max_alerts`): they are not handled; see Alertmanager."
+            )
         return "\n".join(lines)
 
     def _window(self, run: RunRecord) -> tuple[datetime, datetime]:

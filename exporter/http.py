@@ -240,18 +240,27 @@ class _BoundedServer(WSGIServer):
             while not self._stopping.is_set():
                 for key, events in self._selector.select(self._wait()):
                     del events
-                    if isinstance(key.data, _Pending):
-                        self._advance(key.data)
-                    elif key.data == "accept":
-                        self._accept()
-                    else:  # "wake": stop() was called
-                        with contextlib.suppress(OSError):
-                            self._wake_r.recv(64)
+                    try:
+                        self._event(key.data)
+                    except Exception:
+                        # A bug met by one connection must not stop the front for all of them.
+                        log.exception("HTTP front: %s failed", getattr(key.data, "peer", key.data))
+                        if isinstance(key.data, _Pending):
+                            self._drop(key.data)
                 self._expire()
         finally:
             for pending in list(self._pending.values()):
                 self._drop(pending)
             self._selector.close()
+
+    def _event(self, data: object) -> None:
+        if isinstance(data, _Pending):
+            self._advance(data)
+        elif data == "accept":
+            self._accept()
+        else:  # "wake": stop() was called
+            with contextlib.suppress(OSError):
+                self._wake_r.recv(64)
 
     def _wait(self) -> float:
         if not self._pending:

@@ -176,6 +176,34 @@ def test_an_outage_delays_reports_and_loses_none(
         assert any(r.path == "/api/v1/messages" and r.method == "GET" for r in zulip.requests)
 
 
+@pytest.mark.parametrize("how", ["refuse", "5xx"])
+def test_zulip_down_at_first_contact_is_an_outage_not_a_crash(
+    zulip: ZulipStandIn, journal: Journal, tmp_path: Path, how: str
+) -> None:
+    # Down before the sender ever connected: the client's constructor, which asks for the
+    # server settings, meets the outage (a 5xx there was an AssertionError inside zulip).
+    zulip.go_down(how)  # type: ignore[arg-type]
+    metrics = RemediatorMetrics(journal)
+    sender = make_sender(journal, zulip.write_zuliprc(tmp_path / "zuliprc"), metrics=metrics)
+    journal.enqueue_report("alerts-gpu", "while Zulip is down")
+    assert sender.send_due() == 0
+    [entry] = journal.outbox_entries()
+    assert entry.state == "pending" and entry.attempts == 1
+    assert entry.last_error is not None and ("first contact" in entry.last_error
+                                             or "cannot reach" in entry.last_error)  # fmt: skip
+    failures = metrics.registry.get_sample_value(
+        "gpufleet_remediator_outbox_failures_total", {"reason": "unavailable"}
+    )
+    assert failures == 1
+    sender.start()
+    try:
+        zulip.come_back()
+        wait_until(lambda: not unsent(journal), what="the report sent once Zulip is back")
+    finally:
+        sender.stop()
+    assert [m.content.split("\n")[0] for m in zulip.messages] == ["while Zulip is down"]
+
+
 def test_a_429_stops_sending_for_its_retry_after(
     zulip: ZulipStandIn, journal: Journal, tmp_path: Path
 ) -> None:

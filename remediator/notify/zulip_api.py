@@ -159,6 +159,14 @@ class ZulipApi:
                 )
             except (zulip.ZulipError, requests.RequestException) as exc:
                 raise ZulipUnavailable(f"cannot reach Zulip at {rc['site']}: {exc}") from None
+            except (AssertionError, KeyError, TypeError, ValueError) as exc:
+                # The constructor asks /api/v1/server_settings and asserts on its answer: a 5xx
+                # or a proxy's error page there surfaces as an AssertionError (zulip's
+                # `assert self.zulip_version is not None`), not as an HTTP error.
+                raise ZulipUnavailable(
+                    f"Zulip at {rc['site']} gave no usable server settings on first contact "
+                    f"({type(exc).__name__}): down or answering 5xx"
+                ) from None
             client.ensure_session()
             assert client.session is not None
             client.session.hooks["response"].append(self._on_response)

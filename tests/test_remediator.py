@@ -506,7 +506,7 @@ def test_an_unforeseen_admission_failure_is_a_journaled_400_and_blocks_nothing(
             raise OverflowError("date value out of range")
         return real_admit(notification, raw)
 
-    journal.admit = broken  # type: ignore[method-assign]
+    journal.admit = broken  # type: ignore[method-assign,assignment]
     answer = lab.post(firing(fingerprint="b" * 16))
     assert answer.status_code == 400
     assert "cannot admit this notification: OverflowError" in answer.get_json()["error"]

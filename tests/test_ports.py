@@ -7,6 +7,7 @@ The unprivileged view is a forked child that drops to `nobody` before it collect
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
 import shutil
@@ -385,6 +386,8 @@ def _collect_as_nobody(ports: PortsCollector) -> dict[str, Any]:
         outcome: dict[str, Any] = {"crash": "the child ended early"}
         try:
             os.close(read_fd)
+            # Codecs load lazily, from the interpreter's own tree, which nobody may not read.
+            codecs.lookup("ascii")
             os.setgroups([])
             os.setgid(NOBODY)
             os.setuid(NOBODY)  # from uid 0 to non-zero: the kernel clears every capability
@@ -425,7 +428,9 @@ def test_unprivileged_view_leaves_the_ghost_absent_and_says_why(
     units = UnitsReader([UNIT, beta_unit], max_age_seconds=3600)
     units.statuses()  # read as root: the child collects from this answer, not from systemctl
     with PythonListener(beta_port):  # a root-owned ghost on the port of a unit that is down
-        result = _collect_as_nobody(PortsCollector(servers, units))
+        # No naming budget: the walk of /proc ends in this one scrape however many processes
+        # this machine runs (the budget has tests of its own; this one is about privilege).
+        result = _collect_as_nobody(PortsCollector(servers, units, naming_budget_seconds=None))
     assert result["uid"] == NOBODY
     ghosts = {
         labels["server"]: value

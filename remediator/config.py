@@ -66,11 +66,14 @@ import configparser
 import hashlib
 import hmac
 import ipaddress
+import logging
 import os
 import re
 import socket
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
@@ -91,6 +94,8 @@ from sqlalchemy.exc import ArgumentError
 
 from exporter.roster import DEFAULT_ROSTER_PATH
 from exporter.yamlfile import load_strict
+
+_log = logging.getLogger(__name__)
 
 DEFAULT_LISTEN = "127.0.0.1:9095"
 DEFAULT_JOURNAL = "sqlite:////var/lib/gpu-fleet/journal.db"
@@ -661,18 +666,52 @@ def _same(a: str, b: str) -> bool:
     return hmac.compare_digest(digest_a, digest_b)
 
 
-@dataclass(frozen=True)
+SECRET_GRACE_SECONDS = 300.0
+"""After a secret file changes, the previous secret is still accepted this long: Alertmanager
+drops a notification answered 401, so a rotation must not race its config reload."""
+_SECRET_RECHECK_SECONDS = 1.0
+
+
 class Credential:
     """One secret that a client must present in its `Authorization` header.
 
     `secret` is the bearer token or the basic-auth password; it is left out of `repr` so a
-    log line or a traceback that shows the object shows no secret.
+    log line or a traceback that shows the object shows no secret. The secret is re-read when
+    its file (`source`) changes — looked at no more than once a second — and the previous one
+    stays valid for `grace_seconds`, so rotating a token needs no restart and loses nothing. A
+    file that became unreadable or empty keeps the secret in force (and says so in the log).
     """
 
-    scheme: Literal["bearer", "basic"]
-    source: Path
-    username: str | None = None
-    secret: str = field(default="", repr=False)
+    def __init__(
+        self,
+        scheme: Literal["bearer", "basic"],
+        source: Path,
+        username: str | None = None,
+        secret: str = "",
+        *,
+        grace_seconds: float = SECRET_GRACE_SECONDS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.scheme = scheme
+        self.source = source
+        self.username = username
+        self.grace_seconds = grace_seconds
+        self._clock = clock
+        self._secret = secret
+        self._previous: str | None = None
+        self._previous_until = 0.0
+        self._stamp = self._file_stamp()
+        self._checked = clock()
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"Credential({self.scheme!r}, {str(self.source)!r}, username={self.username!r})"
+
+    @property
+    def secret(self) -> str:
+        """The secret in force (after a change of its file, the new one)."""
+        self._refresh()
+        return self._secret
 
     @property
     def www_authenticate(self) -> str:
@@ -681,18 +720,53 @@ class Credential:
             return f'Bearer realm="{REALM}"'
         return f'Basic realm="{REALM}", charset="UTF-8"'
 
+    def _file_stamp(self) -> tuple[int, int, int] | None:
+        try:
+            info = self.source.stat()
+        except OSError:
+            return None
+        return (info.st_ino, info.st_size, info.st_mtime_ns)
+
+    def _refresh(self) -> None:
+        now = self._clock()
+        if now - self._checked < _SECRET_RECHECK_SECONDS:
+            return
+        with self._lock:
+            self._checked = now
+            stamp = self._file_stamp()
+            if stamp == self._stamp:
+                return
+            self._stamp = stamp
+            try:
+                fresh = read_secret(self.source)
+            except ConfigError as exc:
+                _log.error("secret file %s: %s; the secret in force stays", self.source, exc)
+                return
+            if fresh != self._secret:
+                _log.info("secret file %s changed: the new secret is in force, the previous one "
+                          "for %.0f s more", self.source, self.grace_seconds)  # fmt: skip
+                self._previous, self._previous_until = self._secret, now + self.grace_seconds
+                self._secret = fresh
+
     def check_authorization_header(self, value: str | None) -> bool:
         """Whether an `Authorization` header value carries this credential.
 
         Secrets are compared in constant time; for basic auth both the user name and the
         password are always compared, so the time does not tell which one was wrong.
         """
-        if not value or not self.secret:
+        current = self.secret
+        previous = self._previous if self._clock() < self._previous_until else None
+        return self._carries(value, current) or (
+            previous is not None and self._carries(value, previous)
+        )
+
+    def _carries(self, value: str | None, secret: str) -> bool:
+        if not value or not secret:
             return False
         scheme, _, rest = value.strip().partition(" ")
         rest = rest.strip()
         if self.scheme == "bearer":
-            return scheme.lower() == "bearer" and _same(rest, self.secret)
+            return scheme.lower() == "bearer" and _same(rest, secret)
         if scheme.lower() != "basic":
             return False
         try:
@@ -703,7 +777,7 @@ class Credential:
         if not sep:
             return False
         user_ok = _same(user, self.username or "")
-        password_ok = _same(password, self.secret)
+        password_ok = _same(password, secret)
         return user_ok & password_ok
 
 

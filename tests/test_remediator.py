@@ -572,3 +572,13 @@ def test_health_and_metrics(lab: Lab) -> None:
     assert "gpufleet_remediator_queue_depth 0.0" in text
     assert 'gpufleet_remediator_webhook_requests_total{code="200"} 1.0' in text
     assert "gpufleet_remediator_run_duration_seconds_count" in text
+
+
+def test_the_webhook_token_rotates_without_a_restart(lab: Lab) -> None:
+    token_file = lab.setup.config.parent / "webhook.token"
+    token_file.write_text("rotated-secret-789\n")
+    time.sleep(1.1)  # the file is looked at once a second
+    assert lab.post(fixture("firing"), token="rotated-secret-789").status_code == 200
+    # Alertmanager may still send the old one until its own config reloads: accepted a while.
+    assert lab.post(fixture("repeat-interval"), token="webhook-secret-123").status_code == 200
+    assert lab.post(fixture("repeat-interval"), token="never-was-it").status_code == 401

@@ -366,3 +366,28 @@ def test_read_secret(etc: Path) -> None:
     (etc / "admin.token").unlink()
     with pytest.raises(ConfigError, match=f"{etc / 'admin.token'}: no such file"):
         load_secrets(config)
+
+
+def test_a_rotated_secret_file_is_read_again_and_the_old_secret_has_a_grace(etc: Path) -> None:
+    now = [100.0]
+    path = etc / "rotating.token"
+    path.write_text("old-token-123\n")
+    bearer = Credential("bearer", path, secret=read_secret(path), grace_seconds=60,
+                        clock=lambda: now[0])  # fmt: skip
+    assert bearer.check_authorization_header("Bearer old-token-123")
+    assert not bearer.check_authorization_header("Bearer new-token-456")
+    path.write_text("new-token-456\n")  # rotated: a new file content (and stamp)
+    now[0] += 0.5
+    # Looked at no more than once a second: not yet seen.
+    assert not bearer.check_authorization_header("Bearer new-token-456")
+    now[0] += 1.0
+    assert bearer.check_authorization_header("Bearer new-token-456")
+    assert bearer.check_authorization_header("Bearer old-token-123")  # within the grace
+    now[0] += 61
+    assert bearer.check_authorization_header("Bearer new-token-456")
+    assert not bearer.check_authorization_header("Bearer old-token-123")  # grace over
+    assert "new-token-456" not in repr(bearer)
+    # A file that became empty (half-written) keeps the secret in force.
+    path.write_text("")
+    now[0] += 2
+    assert bearer.check_authorization_header("Bearer new-token-456")

@@ -213,13 +213,16 @@ def _check(config: RemediatorConfig) -> int:
 def _serve(services: Services) -> int:
     from waitress.server import create_server  # noqa: PLC0415 - only `serve` needs it
 
+    from remediator.front import WAITRESS_SETTINGS, counted  # noqa: PLC0415
     from remediator.web import create_app  # noqa: PLC0415
 
     config = services.config
     host, _, port = config.listen.rpartition(":")
-    app = create_app(config, services)
+    app = counted(create_app(config, services), services.metrics)
     try:
-        server = create_server(app, host=host.strip("[]") or "127.0.0.1", port=int(port), threads=8)
+        server = create_server(
+            app, host=host.strip("[]") or "127.0.0.1", port=int(port), **WAITRESS_SETTINGS
+        )
     except OSError as exc:
         print(f"gpu-fleet-remediator: cannot listen on {config.listen}: {exc}", file=sys.stderr)
         return EXIT_RUNTIME

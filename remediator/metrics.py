@@ -183,6 +183,13 @@ class RemediatorMetrics:
             ["loop"],
             registry=self.registry,
         )
+        self.http_responses = Counter(
+            "gpufleet_remediator_http_responses",
+            "Answers the remediator's app gave, by handler (webhook, api, healthz, metrics, "
+            "other) and HTTP status code.",
+            ["handler", "code"],
+            registry=self.registry,
+        )
         self.alerts_truncated = Counter(
             "gpufleet_remediator_alerts_truncated",
             "Alerts Alertmanager left out of notifications (`truncatedAlerts`, its max_alerts): "

@@ -68,13 +68,11 @@ class RulesPrometheus(PrometheusServer):
     def __init__(self, tmp_path: Path, *, rule_files: list[Path], file_sd: Path) -> None:
         # No static targets: start() then returns once Prometheus is ready, and the test
         # waits for the file_sd target itself.
-        super().__init__(tmp_path, [], scrape_interval=EVALUATION, job=JOB)
-        self.rule_files = rule_files
+        super().__init__(tmp_path, [], scrape_interval=EVALUATION, job=JOB, rule_files=rule_files)
         self.file_sd = file_sd
 
     def _config(self) -> dict[str, Any]:
         config = super()._config()
-        config["rule_files"] = [str(path) for path in self.rule_files]
         config["scrape_configs"] = [
             {"job_name": JOB, "file_sd_configs": [{"files": [str(self.file_sd)]}]}
         ]

@@ -488,13 +488,53 @@ class MetricsServer:
             if web_config.tls is not None:
                 self.tls = TLSContextProvider(web_config.tls)
         self.scheme = "http" if self.tls is None else "https"
+        self._front = BoundedWsgiServer(
+            app,
+            host,
+            port,
+            tls=self.tls,
+            read_timeout_seconds=read_timeout_seconds,
+            write_timeout_seconds=write_timeout_seconds,
+            max_connections=max_connections,
+            workers=workers,
+        )
+        self.port: int = self._front.port
+
+    def start(self) -> None:
+        """Serve in a background thread."""
+        self._front.start()
+
+    def stop(self) -> None:
+        """Stop serving and release the socket."""
+        self._front.stop()
+
+
+class BoundedWsgiServer:
+    """Any WSGI app behind the bounded front (`_BoundedServer`), on TLS when `tls` is given.
+
+    The exporter's `MetricsServer` and the remediator's TLS listener both serve through it.
+    `port` is the bound one (useful with port 0).
+    """
+
+    def __init__(
+        self,
+        app: WSGIApplication,
+        host: str,
+        port: int,
+        *,
+        tls: TLSContextProvider | None = None,
+        read_timeout_seconds: float = READ_TIMEOUT_SECONDS,
+        write_timeout_seconds: float = WRITE_TIMEOUT_SECONDS,
+        max_connections: int = MAX_CONNECTIONS,
+        workers: int = WORKERS,
+    ) -> None:
         # Pick IPv4 or IPv6 from the address itself, so `[::1]:9445` works as well as 127.0.0.1.
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
         self._server = _BoundedServer(
             (host, port),
             family,
             app,
-            tls=self.tls,
+            tls=tls,
             read_timeout=read_timeout_seconds,
             write_timeout=write_timeout_seconds,
             max_connections=max_connections,
@@ -506,6 +546,10 @@ class MetricsServer:
     def start(self) -> None:
         """Serve in a background thread."""
         self._thread.start()
+
+    def serve_forever(self) -> None:
+        """Serve in this thread until `stop()` is called from another (or a signal handler)."""
+        self._server.run()
 
     def stop(self) -> None:
         """Stop serving and release the socket."""

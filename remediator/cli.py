@@ -211,23 +211,29 @@ def _check(config: RemediatorConfig) -> int:
 
 
 def _serve(services: Services) -> int:
-    from waitress.server import create_server  # noqa: PLC0415 - only `serve` needs it
-
-    from remediator.front import WAITRESS_SETTINGS, counted  # noqa: PLC0415
+    from remediator.front import make_front  # noqa: PLC0415 - only `serve` needs it
     from remediator.web import create_app  # noqa: PLC0415
 
     config = services.config
     host, _, port = config.listen.rpartition(":")
-    app = counted(create_app(config, services), services.metrics)
     try:
-        server = create_server(
-            app, host=host.strip("[]") or "127.0.0.1", port=int(port), **WAITRESS_SETTINGS
+        server, scheme = make_front(
+            create_app(config, services),
+            host.strip("[]") or "127.0.0.1",
+            int(port),
+            metrics=services.metrics,
+            web_config_file=config.web_config_file,
         )
     except OSError as exc:
         print(f"gpu-fleet-remediator: cannot listen on {config.listen}: {exc}", file=sys.stderr)
         return EXIT_RUNTIME
     assert services.engine is not None
-    services.start()  # the engine, and the Zulip sender when reports are configured
+    try:
+        services.start()  # the engine, and the Zulip sender when reports are configured
+    except JournalError as exc:  # the journal is down, or another process has our replica id
+        server.close()
+        print(f"gpu-fleet-remediator: {exc}", file=sys.stderr)
+        return EXIT_RUNTIME
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         del frame
@@ -240,7 +246,7 @@ def _serve(services: Services) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    log.info("listening on %s, journal %s", config.listen, _safe_url(config.journal))
+    log.info("listening on %s://%s, journal %s", scheme, config.listen, _safe_url(config.journal))
     try:
         server.run()  # returns after a _Shutdown: waitress catches SystemExit itself
     except _Shutdown:

@@ -26,6 +26,7 @@ The keys are fixed by DESIGN.md ("The remediator's config"); the last block adds
              max_wait_seconds: 3600,          # a run waiting for a passing reason, at most
              wait_report_after_seconds: 300}  # a short report once it waited this long
     lock_ttl_seconds: 900                     # a silent replica's running runs free their targets
+    web_config_file: /etc/gpu-fleet/remediator-web.yml   # optional: TLS for the listener
     dedupe_window_seconds: 600                # copies of an alert whose startsAt differ by less
                                               # are one occurrence (HA Prometheus pairs)
 
@@ -512,6 +513,9 @@ class RemediatorConfig(_Strict):
     limits: Limits = Limits()
     lock_ttl_seconds: float = Field(default=900.0, ge=10, le=86400)
     dedupe_window_seconds: float = Field(default=600.0, ge=0, le=86400)
+    # TLS (and headers, and basic auth for /metrics) of the listener: the exporter's
+    # --web.config.file format, checked at load by the exporter's own code (remediator/front.py).
+    web_config_file: ReadableFile | None = None
     ssh: SshClientSettings = SshClientSettings()
     node_command: list[str] = Field(default=["gpu-fleet-node"], min_length=1, max_length=16)
     http_request: HttpRequestSettings = HttpRequestSettings()
@@ -647,6 +651,13 @@ def load_config(path: Path) -> RemediatorConfig:
     same = _same_secret_problem(data, base_dir)
     if same is not None:
         problems.append(("admin", same))
+    if config is not None and config.web_config_file is not None:
+        from exporter.webconfig import WebConfigError, load_web_config  # noqa: PLC0415
+
+        try:
+            load_web_config(config.web_config_file)
+        except WebConfigError as exc:
+            problems += [("web_config_file", line) for line in exc.problems]
     if problems or config is None:
         raise ConfigError("\n".join(f"{path}: {where}: {message}" for where, message in problems))
     return config

@@ -31,9 +31,18 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol
 from wsgiref.types import StartResponse, WSGIApplication, WSGIEnvironment
 
+from exporter.http import BoundedWsgiServer
+from exporter.webconfig import (
+    WWW_AUTHENTICATE,
+    BasicAuthChecker,
+    TLSContextProvider,
+    WebConfig,
+    load_web_config,
+)
 from remediator.metrics import RemediatorMetrics
 from remediator.webhook import MAX_BODY_BYTES
 from remediator.webhook import PATH as WEBHOOK_PATH
@@ -80,3 +89,80 @@ def counted(app: WSGIApplication, metrics: RemediatorMetrics) -> WSGIApplication
         return app(environ, start)
 
     return wrapped
+
+
+def guarded(app: WSGIApplication, config: WebConfig) -> WSGIApplication:
+    """`app` with the web config's headers on every answer and its users guarding /metrics."""
+    extra = list(config.headers)
+    checker = BasicAuthChecker(config.users) if config.users else None
+
+    def wrapped(environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
+        def start(status: str, headers: list[tuple[str, str]], *exc: Any) -> Callable[..., Any]:
+            return start_response(status, [*headers, *extra], *exc)
+
+        if (
+            checker is not None
+            and environ.get("PATH_INFO") == "/metrics"
+            and not checker.check_header(environ.get("HTTP_AUTHORIZATION"))
+        ):
+            start("401 Unauthorized", [("Content-Type", "text/plain; charset=utf-8"),
+                                       ("WWW-Authenticate", WWW_AUTHENTICATE)])  # fmt: skip
+            return [b"401 Unauthorized: /metrics needs basic auth\n"]
+        return app(environ, start)
+
+    return wrapped
+
+
+class Front(Protocol):
+    """A server `serve` runs in its main thread until a signal stops it."""
+
+    def run(self) -> None:
+        """Serve until stopped (a signal handler raises out of it)."""
+
+    def close(self) -> None:
+        """Release the listening socket."""
+
+
+class _TLSFront:
+    """The exporter's bounded front, on TLS, run in the calling thread."""
+
+    def __init__(self, server: BoundedWsgiServer) -> None:
+        self._server = server
+
+    def run(self) -> None:
+        self._server.serve_forever()
+
+    def close(self) -> None:
+        self._server.stop()
+
+
+def make_front(
+    app: WSGIApplication,
+    host: str,
+    port: int,
+    *,
+    metrics: RemediatorMetrics,
+    web_config_file: Path | None,
+) -> tuple[Front, str]:
+    """The listening server for `serve`, and its scheme (`http` or `https`).
+
+    Raises `OSError` when the address cannot be bound.
+    """
+    from waitress.server import create_server  # noqa: PLC0415 - only `serve` needs it
+
+    served = counted(app, metrics)
+    if web_config_file is not None:
+        web_config = load_web_config(web_config_file)
+        served = guarded(served, web_config)
+        if web_config.tls is not None:
+            front = BoundedWsgiServer(
+                served,
+                host,
+                port,
+                tls=TLSContextProvider(web_config.tls),
+                max_connections=CONNECTION_LIMIT,
+                workers=THREADS,
+            )
+            return _TLSFront(front), "https"
+    server: Any = create_server(served, host=host, port=port, **WAITRESS_SETTINGS)
+    return server, "http"

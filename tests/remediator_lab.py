@@ -133,8 +133,11 @@ def write_setup(
     (tmp_path / "admin.token").write_text("admin-secret-456\n")
     playbooks = tmp_path / "playbooks"
     playbooks.mkdir(exist_ok=True)
-    for file, name, alertname in (("probe", "probe-llama", "LlamaServerDown"),
-                                  ("probe-stuck", "probe-llama-stuck", "LlamaServerStuck")):  # fmt: skip
+    test_playbooks = (
+        ("probe", "probe-llama", "LlamaServerDown"),
+        ("probe-stuck", "probe-llama-stuck", "LlamaServerStuck"),
+    )
+    for file, name, alertname in test_playbooks:
         (playbooks / f"{file}.yaml").write_text(
             PROBE_PLAYBOOK.format(
                 name=name,
@@ -142,7 +145,7 @@ def write_setup(
                 wait_seconds=wait_seconds,
                 cooldown=cooldown,
                 max_failures=max_failures,
-            )  # fmt: skip
+            )
         )
     restart_urls = ", ".join(f"{url}/restart" for url in servers.values())
     if "http_request:" not in extra:

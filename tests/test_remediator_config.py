@@ -391,3 +391,11 @@ def test_a_rotated_secret_file_is_read_again_and_the_old_secret_has_a_grace(etc:
     path.write_text("")
     now[0] += 2
     assert bearer.check_authorization_header("Bearer new-token-456")
+
+
+def test_a_bad_web_config_stops_the_start_naming_its_key(etc: Path) -> None:
+    (etc / "web.yml").write_text("tls_server_config:\n  cert_file: nope.crt\n  key_fil: x\n")
+    found = problems(etc, MINIMAL + "web_config_file: web.yml\n")
+    assert found and all(line.startswith("web_config_file: ") for line in found), found
+    assert any("key_fil" in line for line in found), found
+    assert any("nope.crt" in line for line in found), found

@@ -1,7 +1,9 @@
 """The remediator's HTTP front against hostile clients, as a real `serve` process.
 
 A huge unauthenticated body is refused from its Content-Length before much of it is read; idle
-and half-open connections do not lock out the webhook or `/healthz`; every answer is counted.
+and half-open connections do not lock out the webhook or `/healthz`; every answer is counted;
+with the example web config (certificates made by the openssl CLI, as the exporter's TLS tests
+make them) the listener speaks TLS, adds its headers and guards /metrics with its users.
 """
 
 from __future__ import annotations
@@ -14,8 +16,13 @@ from pathlib import Path
 from tests.llama_lab import free_port
 from tests.remediator_lab import ALERTMANAGER_FIXTURES, write_setup
 from tests.test_remediator_process import Replica
+from tests.test_webconfig import HASH, PASSWORD, Certs, certs
 
 MIB = 1024 * 1024
+REPO = Path(__file__).resolve().parent.parent
+# The bcrypt hash in examples/web-config.yml (of its example password).
+EXAMPLE_HASH = "$2b$10$U/1MUMcRx.Bt5ARWPgzg6.HZGL4Dy4Qf4zJMk9fiP4fmEvLhj71PK"
+__all__ = ["certs"]  # the module-scoped fixture, shared with the exporter's TLS tests
 
 
 def _replica(tmp_path: Path) -> Replica:
@@ -93,3 +100,68 @@ def _get(port: int, path: str) -> str:
         while part := sock.recv(65536):
             data += part
     return data.decode(errors="replace")
+
+
+def test_tls_from_the_example_web_config(tmp_path: Path, certs: Certs) -> None:
+    import base64
+    import http.client
+    import ssl
+    import subprocess
+
+    from tests.llama_lab import stop_process, wait_until
+    from tests.test_remediator_process import REMEDIATOR
+
+    # The example file as shipped, its paths and hash swapped for the test's own.
+    example = (REPO / "examples" / "web-config.yml").read_text()
+    web = tmp_path / "web-config.yml"
+    web.write_text(
+        example.replace("/etc/gpu-fleet/exporter.crt", str(certs.server.cert))
+        .replace("/etc/gpu-fleet/exporter.key", str(certs.server.key))
+        .replace(EXAMPLE_HASH, HASH)
+    )
+    port = free_port()
+    setup = write_setup(tmp_path, servers={"alpha": "http://127.0.0.1:9"},
+                        listen=f"127.0.0.1:{port}", extra=f"web_config_file: {web}\n")  # fmt: skip
+    context = ssl.create_default_context(cafile=str(certs.ca))
+
+    def request(
+        method: str, path: str, body: bytes | None = None, headers: dict[str, str] | None = None
+    ) -> tuple[int, dict[str, str], bytes]:
+        conn = http.client.HTTPSConnection("127.0.0.1", port, context=context, timeout=10)
+        try:
+            conn.request(method, path, body=body, headers=headers or {})
+            answer = conn.getresponse()
+            return answer.status, dict(answer.getheaders()), answer.read()
+        finally:
+            conn.close()  # fmt: skip
+
+    log = (tmp_path / "remediator.log").open("wb")
+    proc = subprocess.Popen([REMEDIATOR, "serve", "--config", str(setup.config)],
+                            stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+
+    def up() -> bool:
+        assert proc.poll() is None, (tmp_path / "remediator.log").read_text()
+        try:
+            return request("GET", "/healthz")[0] == 200
+        except OSError:
+            return False
+
+    try:
+        wait_until(up, timeout=30, what="the remediator on TLS")
+        status, headers, _ = request("GET", "/healthz")
+        assert status == 200 and headers.get("X-Content-Type-Options") == "nosniff"
+        body = (ALERTMANAGER_FIXTURES / "firing.json").read_bytes()
+        bearer = {"Authorization": f"Bearer {setup.webhook_token}",
+                  "Content-Type": "application/json"}  # fmt: skip
+        status, _, answer = request("POST", "/webhook/alertmanager", body, bearer)
+        assert status == 200 and json.loads(answer)["runs"] == [1]
+        assert request("GET", "/metrics")[0] == 401  # the web config's users guard /metrics
+        scrape = {"Authorization": "Basic " + base64.b64encode(
+            f"prometheus:{PASSWORD}".encode()).decode()}  # fmt: skip
+        status, _, metrics = request("GET", "/metrics", headers=scrape)
+        assert status == 200 and b"gpufleet_remediator_webhook_requests_total" in metrics
+        plain = _get(port, "/healthz")  # plain HTTP on the TLS port
+        assert plain.startswith("HTTP/1.0 400") and "HTTPS server" in plain
+    finally:
+        stop_process(proc, 15)
+        log.close()

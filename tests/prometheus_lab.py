@@ -102,7 +102,8 @@ class PrometheusServer:
     """One real Prometheus process scraping `scrape_targets` as job `lab`.
 
     `labels` are added to every target (as file_sd would add `host`); `rule_files` are
-    evaluated every `scrape_interval`. `url` is the base URL of its HTTP API. Leaving the
+    evaluated every `scrape_interval`; `extra` adds top-level config sections (`alerting`).
+    `url` is the base URL of its HTTP API. Leaving the
     context always stops it (SIGTERM, SIGKILL after `grace` seconds).
     """
 
@@ -116,9 +117,13 @@ class PrometheusServer:
         job: str = "lab",
         grace: float = 5.0,
         rule_files: Sequence[Path] = (),
+        extra: Mapping[str, Any] | None = None,
+        external_labels: Mapping[str, str] | None = None,
     ) -> None:
         self.directory = Path(tmp_path) / f"prometheus-{free_port()}"
         self.rule_files = [str(path) for path in rule_files]
+        self.extra = dict(extra or {})
+        self.external_labels = dict(external_labels or {})
         self.scrape_targets = list(scrape_targets)
         self.scrape_interval = scrape_interval
         self.labels = dict(labels or {})
@@ -145,11 +150,13 @@ class PrometheusServer:
                 # A scrape may not outlast its interval (Prometheus refuses the config).
                 "scrape_timeout": self.scrape_interval,
                 "evaluation_interval": self.scrape_interval,
+                **({"external_labels": self.external_labels} if self.external_labels else {}),
             },
             "scrape_configs": [{"job_name": self.job, "static_configs": [static]}]
             if self.scrape_targets
             else [],
             "rule_files": self.rule_files,
+            **self.extra,
         }
 
     def start(self, timeout: float = 30.0) -> PrometheusServer:

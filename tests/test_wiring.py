@@ -617,3 +617,76 @@ def test_max_alerts_keeps_a_fleet_wide_outage_under_the_body_limit(
     ]
     # The comment in alertmanager.yml promises under half of the remediator's limit.
     assert len(full[0].body) <= MAX_BODY_BYTES // 2, len(full[0].body)
+
+
+HA_RULES = """\
+groups:
+  - name: lab
+    rules:
+      - alert: LlamaServerDown
+        expr: lab_fault == 1
+        labels: {severity: critical, category: inference}
+"""
+
+
+def test_an_ha_prometheus_pair_makes_one_run_per_problem(tmp_path: Path) -> None:
+    """Two real Prometheus servers (the example's HA relabelling), the real Alertmanager and a
+    real remediator: the same problem, evaluated twice, is one alert and one run."""
+    from tests.prometheus_lab import MetricsEndpoint, PrometheusServer
+    from tests.remediator_lab import CountingServer, write_setup
+    from tests.test_remediator_process import Replica
+
+    example = load_yaml(PROMETHEUS_EXAMPLE)
+    relabel = example["alerting"]["alert_relabel_configs"]
+    assert example["global"]["external_labels"] == {"replica": "a"}
+    model = CountingServer()
+    rules = tmp_path / "rules.yml"
+    rules.write_text(HA_RULES)
+    port = free_port()
+    setup = write_setup(tmp_path, servers={"alpha": model.url}, listen=f"127.0.0.1:{port}")
+    text = ALERTMANAGER_EXAMPLE.read_text()
+    text = rewrite(text, f"url: http://{DEFAULT_LISTEN}{WEBHOOK_PATH}",
+                   f"url: http://127.0.0.1:{port}{WEBHOOK_PATH}")  # fmt: skip
+    token = tmp_path / "alertmanager.token"
+    token.write_text(setup.webhook_token + "\n")
+    text = rewrite(text, f"credentials_file: {INSTALLED_TOKEN}", f"credentials_file: {token}")
+    text = rewrite(text, "group_wait: 30s", f"group_wait: {FAST:g}s")
+    text = rewrite(text, "group_interval: 5m", f"group_interval: {FAST:g}s")
+    (tmp_path / "am").mkdir()
+    manager = Alertmanager(tmp_path / "am", text)
+    replica: Replica | None = None
+    servers: list[PrometheusServer] = []
+    try:
+        manager.start()
+        alerting = {"alert_relabel_configs": relabel, "alertmanagers": [
+            {"static_configs": [{"targets": [f"127.0.0.1:{manager.port}"]}]}]}  # fmt: skip
+        with MetricsEndpoint('lab_fault{server="alpha"} 1\n') as endpoint:
+            for name in ("a", "b"):
+                servers.append(PrometheusServer(
+                    tmp_path / name, [endpoint.target], labels={"host": "dioscuri"},
+                    rule_files=[rules], extra={"alerting": alerting},
+                    external_labels={"replica": name},
+                ).start())  # fmt: skip
+            config = setup.config.read_text().replace(
+                "prometheus_url: http://127.0.0.1:9", f"prometheus_url: {servers[0].url}"
+            )
+            setup.config.write_text(config)
+            replica = Replica(setup, port, tmp_path / "remediator.log").start()
+            for server in servers:  # both evaluate the problem, both send it
+                server.wait_for('ALERTS{alertname="LlamaServerDown",alertstate="firing"}')
+            wait_for(lambda: bool(replica and replica.runs()), "a run", manager, timeout=60)
+            assert [a["labels"].get("replica") for a in manager.alerts()] == [None]
+            time.sleep(3 * FAST)  # more group intervals: resends from both servers
+            wait_for(lambda: bool(replica and replica.runs()[0]["state"] == "done"),
+                     "the run to end", manager, timeout=60)  # fmt: skip
+            runs = replica.runs()
+            assert len(runs) == 1, [(r["alert"]["labels"], r["decision"]) for r in runs]
+            assert runs[0]["outcome"] == "healed"
+            assert model.count("/restart") == 1
+    finally:
+        if replica is not None:
+            replica.stop()
+        for server in servers:
+            server.stop()
+        manager.stop()
+        model.close()

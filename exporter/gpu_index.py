@@ -22,11 +22,14 @@ Check by hand: `lspci -D -d ::0300; lspci -D -d ::0302; lspci -D -d ::0380` (or
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Iterable
 
 from exporter.sources.sysfs import read_text
+
+log = logging.getLogger(__name__)
 
 # PCI vendor ids (pci.ids) of the GPUs we number; others (an Intel iGPU, a BMC's VGA) are not
 # ours: no collector reads them and no action can name them.
@@ -126,5 +129,16 @@ def number_host_gpus(
     the vendor libraries `found` (those matter only where sysfs lacks a device, as with the
     fake NVML of tests and demos). Call it once, before the first `index_of`.
     """
-    index.register([*pci_gpus(sysfs), *expected, *found])
+    present = pci_gpus(sysfs)
+    listed = {normalize_pci_bus_id(bus_id) for bus_id in expected}
+    if listed - set(present):
+        # Numbered all the same (a card missing at boot must keep its place), but a typo in the
+        # roster would also give a phantom index: say which, once per start or request.
+        log.warning(
+            "the roster lists GPU(s) %s that %s/bus/pci/devices does not show: missing from "
+            "the bus, or a typo in gpus.<vendor>.pci_bus_ids; each keeps its `gpu` index",
+            ", ".join(sorted(listed - set(present))),
+            sysfs,
+        )
+    index.register([*present, *listed, *found])
     return index.known()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 
 from exporter.gpu_index import GpuIndex, number_host_gpus, pci_gpus
@@ -134,7 +135,9 @@ def test_pci_gpus_are_the_nvidia_and_amd_display_devices(tmp_path: Path) -> None
     assert pci_gpus(str(tmp_path / "nothing")) == {}
 
 
-def test_numbering_is_the_sorted_union_and_fixed_once_made(tmp_path: Path) -> None:
+def test_numbering_is_the_sorted_union_and_fixed_once_made(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     sysfs = tmp_path / "sys"
     write_amd_card(sysfs, apu_spec(card=0, pci_slot=AMD_BUS))
     index = GpuIndex()
@@ -145,6 +148,10 @@ def test_numbering_is_the_sorted_union_and_fixed_once_made(tmp_path: Path) -> No
         found=["00000000:41:00.0"],  # NVML's spelling, a device sysfs lacks (the fake)
     )
     assert numbering == {NVIDIA_BUS: 0, "0000:81:00.0": 1, AMD_BUS: 2}
+    # The listed card PCI sysfs lacks is named (a missing card, or a typo in the roster).
+    [warning] = [r for r in caplog.records if r.name == "exporter.gpu_index"]
+    assert warning.levelname == "WARNING"
+    assert warning.getMessage().startswith("the roster lists GPU(s) 0000:81:00.0 that ")
     # A card seen later (hot-plugged, or NVML slower than sysfs lacks) comes after the others.
     assert index.index_of("0000:05:00.0") == 3
     assert index.index_of(AMD_BUS) == 2

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import gzip
+import io
 import os
 import socket
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -218,3 +220,33 @@ def test_an_oversized_or_garbled_head_is_refused() -> None:
         sock.close()
     finally:
         srv.stop()
+
+
+def test_a_body_trickling_in_is_cut_at_the_same_deadline() -> None:
+    # What a worker reads after the head (a body, for an app that reads one) shares the
+    # connection's deadline: a byte every 0.1 s does not keep the read alive past it.
+    from exporter.http import _DeadlineReader
+
+    ours, peer = socket.socketpair()
+    stop = threading.Event()
+
+    def trickle() -> None:
+        while not stop.wait(0.1):
+            with contextlib.suppress(OSError):
+                peer.send(b"x")
+
+    sender = threading.Thread(target=trickle)
+    sender.start()
+    try:
+        reader = io.BufferedReader(_DeadlineReader(ours, b"HEAD", time.monotonic() + 0.6))
+        assert reader.read(4) == b"HEAD"
+        started = time.monotonic()
+        with pytest.raises(TimeoutError):
+            while time.monotonic() - started < 3:  # per-read timeouts alone would never end it
+                reader.read1(1)
+        assert 0.3 < time.monotonic() - started < 1.5
+    finally:
+        stop.set()
+        sender.join()
+        ours.close()
+        peer.close()

@@ -366,14 +366,17 @@ class Engine:
             except JournalError as exc:
                 log.warning("cannot release the replica id's lease (it expires): %s", exc)
 
+    def loop_states(self) -> dict[str, bool]:
+        """Each background loop (and the replica id's lease): running or not."""
+        if self._stop.is_set() or not self._loops:
+            return {}
+        states = {loop.name: loop.alive for loop in self._loops}
+        states["replica-identity"] = not self._identity_lost
+        return states
+
     def dead_loops(self) -> list[str]:
         """The loops whose thread ended although the engine was not stopped (`/healthz`)."""
-        if self._stop.is_set():
-            return []
-        dead = [loop.name for loop in self._loops if not loop.alive]
-        if self._identity_lost:
-            dead.append("replica-identity")
-        return dead
+        return [name for name, alive in self.loop_states().items() if not alive]
 
     def wake(self) -> None:
         """Runs were admitted or became due: a sleeping worker looks now."""

@@ -27,7 +27,7 @@ whose judgement opened it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -134,6 +134,25 @@ class _JournalState:
         yield age
 
 
+class _Loops:
+    """`gpufleet_remediator_loop_up{loop}`: 1 while a background loop runs, 0 once it died."""
+
+    def __init__(self, metrics: RemediatorMetrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(
+            "gpufleet_remediator_loop_up",
+            "1 while a background loop (a worker, the heartbeat, the Zulip sender, the replica "
+            "id's lease) runs; 0 once it died: /healthz answers 503 then.",
+            labels=["loop"],
+        )
+        states = self._metrics.loop_states
+        for name, alive in sorted((states() if states is not None else {}).items()):
+            family.add_metric([name], 1 if alive else 0)
+        yield family
+
+
 class RemediatorMetrics:
     """The remediator's registry and the counters the web app and the engine update."""
 
@@ -202,4 +221,7 @@ class RemediatorMetrics:
             "400, journaled as rejected).",
             registry=self.registry,
         )
+        self.loop_states: Callable[[], Mapping[str, bool]] | None = None
+        """Set by `build_services`: each background loop of the process, alive or not."""
         self.registry.register(_JournalState(journal))
+        self.registry.register(_Loops(self))

@@ -43,12 +43,16 @@ class Services:
         if self.sender is not None:
             self.sender.start()
 
+    def loop_states(self) -> dict[str, bool]:
+        """Every background loop of this process (the engine's, the sender's): alive or not."""
+        states = self.engine.loop_states() if self.engine is not None else {}
+        if self.sender is not None and self.sender.started:
+            states["zulip-sender"] = self.sender.alive
+        return states
+
     def dead_loops(self) -> list[str]:
-        """The background loops that died (the engine's, the sender's): `/healthz` says so."""
-        dead = self.engine.dead_loops() if self.engine is not None else []
-        if self.sender is not None and self.sender.started and not self.sender.alive:
-            dead.append("zulip-sender")
-        return dead
+        """The background loops that died: `/healthz` answers 503 while there is one."""
+        return [name for name, alive in self.loop_states().items() if not alive]
 
     def close(self) -> None:
         """Stop the engine and the sender, and close the journal."""
@@ -126,7 +130,7 @@ def build_services(
         if with_engine
         else None
     )
-    return Services(
+    services = Services(
         config=config,
         journal=journal,
         engine=engine,
@@ -136,3 +140,5 @@ def build_services(
         admin=secrets.admin,
         sender=sender,
     )
+    metrics.loop_states = services.loop_states
+    return services

@@ -55,10 +55,11 @@ CATEGORIES = {
     "GpuComputeModeDrift": "gpu",
     "GpuFleetExporterDown": "infra",
     "GpuFleetRemediatorDown": "infra",
+    "GpuFleetRemediatorDegraded": "infra",
 }
 SEVERITIES = {"warning", "critical"}
 # The remediator runs centrally: its target has no `host` label (file_sd gives it to GPU hosts).
-WITHOUT_HOST = {"GpuFleetRemediatorDown"}
+WITHOUT_HOST = {"GpuFleetRemediatorDown", "GpuFleetRemediatorDegraded"}
 # The labels that name a target in the roster, and must survive every aggregation.
 TARGET_LABELS = ("host", "server", "gpu")
 # The recording rules the dashboard reads, and their labels exactly.

@@ -77,8 +77,9 @@ ALERT_NAMES = {
     "TokensPerSecondDegraded",
     "GpuFleetExporterDown",
     "GpuFleetRemediatorDown",
+    "GpuFleetRemediatorDegraded",
 }
-SELF_ALERTS = {"GpuFleetExporterDown", "GpuFleetRemediatorDown"}
+SELF_ALERTS = {"GpuFleetExporterDown", "GpuFleetRemediatorDown", "GpuFleetRemediatorDegraded"}
 LLAMA_ALERTS = {name for name in ALERT_NAMES if name.startswith("LlamaServer")}
 GPU_READING_ALERTS = {
     "GpuTemperatureCritical",
@@ -237,9 +238,12 @@ def test_alertmanager_example_passes_amtool() -> None:
 
 def test_alertmanager_example_sends_everything_to_the_remediator() -> None:
     config = load_yaml(ALERTMANAGER_EXAMPLE)
-    (receiver,) = config["receivers"]
+    receiver, people = config["receivers"]
     assert config["route"]["receiver"] == receiver["name"]
-    assert "routes" not in config["route"]  # no alert can take another way
+    # Only the pipeline's own alerts take another way: to people, not to the remediator.
+    (route,) = config["route"]["routes"]
+    assert route == {"matchers": ['alertname=~"GpuFleetRemediator.*"'], "receiver": "people"}
+    assert people["name"] == "people" and people["webhook_configs"][0]["send_resolved"]
     (webhook,) = receiver["webhook_configs"]
     url = urlsplit(webhook["url"])
     assert url.path == WEBHOOK_PATH and url.netloc == DEFAULT_LISTEN
@@ -352,6 +356,7 @@ class Alertmanager:
         self.log_path = tmp_path / "alertmanager.log"
         self._log: IO[bytes] | None = None
         self._process: subprocess.Popen[bytes] | None = None
+        self.people: Receiver | None = None  # the example's `people` receiver, when rewritten
 
     def start(self) -> None:
         self._log = self.log_path.open("wb")
@@ -423,13 +428,17 @@ def alerting(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Alertma
     text = rewrite(text, f"credentials_file: {INSTALLED_TOKEN}", f"credentials_file: {token}")
     text = rewrite(text, "group_wait: 30s", f"group_wait: {FAST:g}s")
     text = rewrite(text, "group_interval: 5m", f"group_interval: {FAST:g}s")
+    people = Receiver()
+    text = rewrite(text, "url: http://127.0.0.1:9097/people", f"url: {people.url}")
     manager = Alertmanager(tmp_path, text)
+    manager.people = people
     try:
         manager.start()
         yield manager, receiver
     finally:
         manager.stop()
         receiver.close()
+        people.close()
 
 
 def alert(name: str, *, ends_in: float = 3600, **labels: str) -> dict[str, Any]:
@@ -531,6 +540,29 @@ def test_alerts_reach_the_webhook_with_the_token_and_inhibitions_apply(
         assert item.notification.version == "4"
         assert item.notification.receiver == "gpu-fleet-remediator"
         assert len(item.body) <= MAX_BODY_BYTES
+
+
+def test_the_pipelines_own_alerts_reach_people_not_the_remediator(
+    alerting: tuple[Alertmanager, Receiver],
+) -> None:
+    manager, receiver = alerting
+    assert manager.people is not None
+    people = manager.people
+    manager.post([
+        alert("GpuFleetRemediatorDegraded", instance="127.0.0.9:9095", cause="loop_dead",
+              category="infra"),
+        alert("LlamaServerDown", host="route-h1", server="alpha", category="inference"),
+    ])  # fmt: skip
+
+    def names(where: Receiver) -> set[str]:
+        return {a.labels["alertname"] for r in where.snapshot() for a in r.notification.alerts
+                if a.labels.get("instance") == "127.0.0.9:9095"
+                or a.labels.get("host") == "route-h1"}  # fmt: skip
+
+    wait_for(lambda: names(people) and names(receiver), "both deliveries", manager)
+    time.sleep(2 * FAST)
+    assert names(people) == {"GpuFleetRemediatorDegraded"}
+    assert names(receiver) == {"LlamaServerDown"}
 
 
 def test_a_resolved_alert_is_sent_too(alerting: tuple[Alertmanager, Receiver]) -> None:

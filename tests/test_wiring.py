@@ -651,14 +651,6 @@ def test_max_alerts_keeps_a_fleet_wide_outage_under_the_body_limit(
     assert len(full[0].body) <= MAX_BODY_BYTES // 2, len(full[0].body)
 
 
-HA_RULES = """\
-groups:
-  - name: lab
-    rules:
-      - alert: LlamaServerDown
-        expr: lab_fault == 1
-        labels: {severity: critical, category: inference}
-"""
 
 
 def test_an_ha_prometheus_pair_makes_one_run_per_problem(tmp_path: Path) -> None:
@@ -666,6 +658,7 @@ def test_an_ha_prometheus_pair_makes_one_run_per_problem(tmp_path: Path) -> None
     real remediator: the same problem, evaluated twice, is one alert and one run."""
     from tests.prometheus_lab import MetricsEndpoint, PrometheusServer
     from tests.remediator_lab import CountingServer, write_setup
+    from tests.test_firing_check import RULES as HA_RULES  # LlamaServerDown on lab_fault
     from tests.test_remediator_process import Replica
 
     example = load_yaml(PROMETHEUS_EXAMPLE)

@@ -56,10 +56,32 @@ CATEGORIES = {
     "GpuFleetExporterDown": "infra",
     "GpuFleetRemediatorDown": "infra",
     "GpuFleetRemediatorDegraded": "infra",
+    # Issue 19: the pipeline's own health, and the exporter's scrapes and collectors.
+    "GpuFleetExporterScrapeSlow": "infra",
+    "GpuFleetCollectorFailing": "infra",
+    "Watchdog": "infra",
+    "PrometheusRuleEvaluationFailures": "infra",
+    "PrometheusConfigReloadFailed": "infra",
+    "PrometheusNotificationsFailing": "infra",
+    "AlertmanagerNotificationsFailing": "infra",
+    "AlertmanagerConfigReloadFailed": "infra",
+    "AlertmanagerDown": "infra",
 }
 SEVERITIES = {"warning", "critical"}
-# The remediator runs centrally: its target has no `host` label (file_sd gives it to GPU hosts).
-WITHOUT_HOST = {"GpuFleetRemediatorDown", "GpuFleetRemediatorDegraded"}
+# The dead man's switch is no problem to rate: `none` (the usual convention), and only it.
+SEVERITY_OF = {"Watchdog": "none"}
+# The remediator, Prometheus and Alertmanager run centrally: their targets have no `host` label
+# (file_sd gives it to GPU hosts); the Watchdog is `vector(1)`, with no labels at all.
+PIPELINE = {
+    "Watchdog",
+    "PrometheusRuleEvaluationFailures",
+    "PrometheusConfigReloadFailed",
+    "PrometheusNotificationsFailing",
+    "AlertmanagerNotificationsFailing",
+    "AlertmanagerConfigReloadFailed",
+    "AlertmanagerDown",
+}
+WITHOUT_HOST = {"GpuFleetRemediatorDown", "GpuFleetRemediatorDegraded"} | PIPELINE
 # The labels that name a target in the roster, and must survive every aggregation.
 TARGET_LABELS = ("host", "server", "gpu")
 # The recording rules the dashboard reads, and their labels exactly.
@@ -184,7 +206,10 @@ def test_alert_rule_is_complete(rule: dict[str, Any]) -> None:
     assert DURATION.fullmatch(str(rule.get("for", ""))), f"{name}: `for:` missing or not a duration"
     assert not re.fullmatch(r"(0+[a-z]+)+", rule["for"]), f"{name}: `for: {rule['for']}` is zero"
     labels = rule.get("labels", {})
-    assert labels.get("severity") in SEVERITIES
+    if name in SEVERITY_OF:
+        assert labels.get("severity") == SEVERITY_OF[name]
+    else:
+        assert labels.get("severity") in SEVERITIES
     assert labels.get("category") == CATEGORIES[name]
     annotations = rule.get("annotations", {})
     for key in ("summary", "description", "runbook_url"):

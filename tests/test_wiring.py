@@ -79,7 +79,25 @@ ALERT_NAMES = {
     "GpuFleetRemediatorDown",
     "GpuFleetRemediatorDegraded",
 }
-SELF_ALERTS = {"GpuFleetExporterDown", "GpuFleetRemediatorDown", "GpuFleetRemediatorDegraded"}
+# Issue 19: the pipeline's own health (Prometheus, Alertmanager, the dead man's switch) and the
+# exporter's scrapes and collectors. The inhibition by a dead exporter leaves them out.
+PIPELINE_ALERTS = {
+    "Watchdog",
+    "PrometheusRuleEvaluationFailures",
+    "PrometheusConfigReloadFailed",
+    "PrometheusNotificationsFailing",
+    "AlertmanagerNotificationsFailing",
+    "AlertmanagerConfigReloadFailed",
+    "AlertmanagerDown",
+    "GpuFleetExporterScrapeSlow",
+    "GpuFleetCollectorFailing",
+}
+ALERT_NAMES |= PIPELINE_ALERTS
+SELF_ALERTS = {
+    "GpuFleetExporterDown",
+    "GpuFleetRemediatorDown",
+    "GpuFleetRemediatorDegraded",
+} | PIPELINE_ALERTS
 LLAMA_ALERTS = {name for name in ALERT_NAMES if name.startswith("LlamaServer")}
 GPU_READING_ALERTS = {
     "GpuTemperatureCritical",
@@ -200,7 +218,10 @@ def test_prometheus_example_with_tls_and_basic_auth_uncommented_passes_promtool(
 def test_prometheus_example_wires_our_jobs_rules_and_alertmanager() -> None:
     config = load_yaml(PROMETHEUS_EXAMPLE)
     jobs = {job["job_name"]: job for job in config["scrape_configs"]}
-    assert set(jobs) == {"gpu-fleet-exporter", "gpu-fleet-remediator"}
+    assert set(jobs) == {"gpu-fleet-exporter", "gpu-fleet-remediator", "prometheus", "alertmanager"}
+    # The pipeline rules read Prometheus' and Alertmanager's own metrics, on their usual ports.
+    assert jobs["prometheus"]["static_configs"][0]["targets"] == ["127.0.0.1:9090"]
+    assert jobs["alertmanager"]["static_configs"][0]["targets"] == ["127.0.0.1:9093"]
     assert jobs["gpu-fleet-exporter"]["file_sd_configs"][0]["files"] == [INSTALLED_TARGETS]
     assert jobs["gpu-fleet-remediator"]["static_configs"][0]["targets"] == [DEFAULT_LISTEN]
     (pattern,) = config["rule_files"]
@@ -238,12 +259,21 @@ def test_alertmanager_example_passes_amtool() -> None:
 
 def test_alertmanager_example_sends_everything_to_the_remediator() -> None:
     config = load_yaml(ALERTMANAGER_EXAMPLE)
-    receiver, people = config["receivers"]
+    receiver, people, switch = config["receivers"]
     assert config["route"]["receiver"] == receiver["name"]
-    # Only the pipeline's own alerts take another way: to people, not to the remediator.
-    (route,) = config["route"]["routes"]
+    # Only the pipeline's own alerts take another way: to people, not (only) to the remediator;
+    # the Watchdog to the dead man's switch alone.
+    watchdog, route, *pipeline = config["route"]["routes"]
+    assert watchdog["matchers"] == ['alertname="Watchdog"']
+    assert watchdog["receiver"] == "deadmans-switch" == switch["name"]
+    assert "continue" not in watchdog
     assert route == {"matchers": ['alertname=~"GpuFleetRemediator.*"'], "receiver": "people"}
     assert people["name"] == "people" and people["webhook_configs"][0]["send_resolved"]
+    assert [(r["receiver"], r.get("continue", False)) for r in pipeline] == [
+        ("people", True),
+        ("gpu-fleet-remediator", False),
+    ]
+    assert pipeline[0]["matchers"] == pipeline[1]["matchers"]
     (webhook,) = receiver["webhook_configs"]
     url = urlsplit(webhook["url"])
     assert url.path == WEBHOOK_PATH and url.netloc == DEFAULT_LISTEN
@@ -265,12 +295,29 @@ def inhibition_targets(source: str, equal: list[str]) -> set[str]:
     config = load_yaml(ALERTMANAGER_EXAMPLE)
     targets: set[str] = set()
     for rule in config["inhibit_rules"]:
-        if rule["source_matchers"] == [f'alertname="{source}"'] and rule["equal"] == equal:
+        if rule["source_matchers"][0] == f'alertname="{source}"' and rule["equal"] == equal:
             (matcher,) = rule["target_matchers"]
-            match = re.fullmatch(r'alertname=~"(.*)"', matcher)
+            match = re.fullmatch(r'alertname(=~|!~)"(.*)"', matcher)
             assert match, matcher
-            targets |= matching(match[1], ALERT_NAMES)
+            matched = matching(match[2], ALERT_NAMES)
+            targets |= matched if match[1] == "=~" else ALERT_NAMES - matched
     return targets
+
+
+def test_only_a_dead_exporter_inhibits_its_host() -> None:
+    # A flapping exporter still delivers readings: what they show must reach people.
+    (rule,) = [
+        rule
+        for rule in load_yaml(ALERTMANAGER_EXAMPLE)["inhibit_rules"]
+        if rule["source_matchers"][0] == 'alertname="GpuFleetExporterDown"'
+    ]
+    assert rule["source_matchers"] == ['alertname="GpuFleetExporterDown"', 'cause="down"']
+    causes = {
+        rule["labels"].get("cause")
+        for rule in alert_rules()
+        if rule["alert"] == "GpuFleetExporterDown"
+    }
+    assert causes == {"down", "flapping"}
 
 
 def test_the_rules_define_exactly_the_alerts_the_inhibitions_name() -> None:
@@ -357,6 +404,7 @@ class Alertmanager:
         self._log: IO[bytes] | None = None
         self._process: subprocess.Popen[bytes] | None = None
         self.people: Receiver | None = None  # the example's `people` receiver, when rewritten
+        self.switch: Receiver | None = None  # its `deadmans-switch` receiver, likewise
 
     def start(self) -> None:
         self._log = self.log_path.open("wb")
@@ -430,8 +478,11 @@ def alerting(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Alertma
     text = rewrite(text, "group_interval: 5m", f"group_interval: {FAST:g}s")
     people = Receiver()
     text = rewrite(text, "url: http://127.0.0.1:9097/people", f"url: {people.url}")
+    switch = Receiver()
+    text = rewrite(text, "url: http://127.0.0.1:9098/deadmans-switch", f"url: {switch.url}")
     manager = Alertmanager(tmp_path, text)
     manager.people = people
+    manager.switch = switch
     try:
         manager.start()
         yield manager, receiver
@@ -439,6 +490,7 @@ def alerting(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Alertma
         manager.stop()
         receiver.close()
         people.close()
+        switch.close()
 
 
 def alert(name: str, *, ends_in: float = 3600, **labels: str) -> dict[str, Any]:
@@ -483,7 +535,7 @@ def test_alerts_reach_the_webhook_with_the_token_and_inhibitions_apply(
     # before its consequences, which is what this test proves.
     sources = [
         # h1: its exporter is down; the server alert it explains must stay silent.
-        alert("GpuFleetExporterDown", host="inh-h1", category="infra"),
+        alert("GpuFleetExporterDown", host="inh-h1", category="infra", cause="down"),
         # h3: GPU 0 lost: its own readings and the host's servers are silenced, GPU 1's
         # readings and the port ghost (evidence) are not.
         alert("GpuLost", host="inh-h3", gpu="0", category="gpu"),
@@ -563,6 +615,37 @@ def test_the_pipelines_own_alerts_reach_people_not_the_remediator(
     time.sleep(2 * FAST)
     assert names(people) == {"GpuFleetRemediatorDegraded"}
     assert names(receiver) == {"LlamaServerDown"}
+
+
+def test_the_watchdog_reaches_the_switch_and_pipeline_alerts_people_and_the_remediator(
+    alerting: tuple[Alertmanager, Receiver],
+) -> None:
+    manager, receiver = alerting
+    assert manager.people is not None and manager.switch is not None
+    people, switch = manager.people, manager.switch
+    manager.post([
+        alert("Watchdog", severity="none", category="infra"),
+        alert("PrometheusNotificationsFailing", instance="127.0.0.8:9090", cause="dropped",
+              category="infra"),
+        alert("GpuFleetCollectorFailing", host="route-h2", collector="nvidia", category="infra"),
+    ])  # fmt: skip
+
+    def names(where: Receiver) -> set[str]:
+        return {a.labels["alertname"] for r in where.snapshot() for a in r.notification.alerts
+                if a.labels["alertname"] == "Watchdog"
+                or a.labels.get("instance") == "127.0.0.8:9090"
+                or a.labels.get("host") == "route-h2"}  # fmt: skip
+
+    pipeline = {"PrometheusNotificationsFailing", "GpuFleetCollectorFailing"}
+    wait_for(
+        lambda: names(switch) and names(people) >= pipeline and names(receiver) >= pipeline,
+        "the deliveries",
+        manager,
+    )
+    time.sleep(2 * FAST)
+    assert names(switch) == {"Watchdog"}
+    assert names(people) == pipeline
+    assert names(receiver) == pipeline
 
 
 def test_a_resolved_alert_is_sent_too(alerting: tuple[Alertmanager, Receiver]) -> None:
@@ -649,8 +732,6 @@ def test_max_alerts_keeps_a_fleet_wide_outage_under_the_body_limit(
     ]
     # The comment in alertmanager.yml promises under half of the remediator's limit.
     assert len(full[0].body) <= MAX_BODY_BYTES // 2, len(full[0].body)
-
-
 
 
 def test_an_ha_prometheus_pair_makes_one_run_per_problem(tmp_path: Path) -> None:

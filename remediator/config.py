@@ -19,6 +19,7 @@ The keys are fixed by DESIGN.md ("The remediator's config"); the last block adds
       escalate_to: [oncall@example.org]       # optional: escalations also as direct messages
       grafana_url: https://grafana.example.org/d/gpu-fleet   # optional: a dashboard to link
       alertmanager_url: https://alertmanager.example.org     # optional: silence links
+    reports_dir: /var/lib/gpu-fleet/reports   # without `zulip`: reports as Markdown files
     replica_id: central-1                     # default: this machine's hostname
     workers: 4                                # threads that run playbooks
     retention_days: 30                        # how long the journal keeps finished runs
@@ -322,7 +323,18 @@ def _email(value: str) -> str:
 
 SecretFile = Annotated[Path, AfterValidator(_secret_file)]
 BearerTokenFile = Annotated[Path, AfterValidator(_bearer_token_file)]
+
+
+def _writable_directory(value: Path, info: ValidationInfo) -> Path:
+    path = _resolve(value, info)
+    existing = path if path.exists() else path.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"{path}: cannot write there (uid {os.getuid()})")
+    return path
+
+
 ReadableFile = Annotated[Path, AfterValidator(_readable_file)]
+WritableDirectory = Annotated[Path, AfterValidator(_writable_directory)]
 Directory = Annotated[Path, AfterValidator(_directory)]
 ZuliprcFile = Annotated[Path, AfterValidator(_zuliprc_file)]
 
@@ -507,6 +519,8 @@ class RemediatorConfig(_Strict):
     playbooks_dir: Directory | None = None
     dry_run: bool = False
     zulip: ZulipSettings | None = None
+    # Without a zulip section: the reports as Markdown files here (remediator/notify/files.py).
+    reports_dir: WritableDirectory | None = None
     replica_id: str = Field(default_factory=socket.gethostname, validate_default=True)
     workers: int = Field(default=4, ge=1, le=64)
     retention_days: int = Field(default=30, ge=1, le=3650)

@@ -17,6 +17,7 @@ from remediator.config import Credential, RemediatorConfig, load_secrets
 from remediator.engine import Engine, EngineSettings
 from remediator.journal import Journal
 from remediator.metrics import RemediatorMetrics
+from remediator.notify.files import ReportFiles
 from remediator.notify.report import Reporter, ReportSettings
 from remediator.notify.sender import OutboxSender, SenderSettings
 from remediator.notify.zulip_api import ZulipApi
@@ -73,11 +74,16 @@ def engine_settings(config: RemediatorConfig, *, dry_run: bool | None = None) ->
     )
 
 
+FILE_REPORTS_STREAM = "reports"
+
+
 def report_settings(config: RemediatorConfig) -> ReportSettings | None:
-    """Where reports go and what they link to; None without a `zulip` section."""
+    """Where reports go and what they link to; None without `zulip` or `reports_dir`."""
     zulip = config.zulip
     if zulip is None:
-        return None
+        if config.reports_dir is None:
+            return None
+        return ReportSettings(stream=FILE_REPORTS_STREAM, topics={})
     return ReportSettings(
         stream=zulip.stream,
         topics=dict(zulip.topics),
@@ -112,6 +118,14 @@ def build_services(
             journal,
             ZulipApi(config.zulip.zuliprc),
             SenderSettings(stream=config.zulip.stream, prometheus_url=config.prometheus_url),
+            metrics=metrics,
+        )
+    elif with_engine and config.reports_dir is not None:
+        # No Zulip: the same outbox and sender, writing each report as a Markdown file.
+        sender = OutboxSender(
+            journal,
+            ReportFiles(config.reports_dir),
+            SenderSettings(stream=FILE_REPORTS_STREAM, prometheus_url=config.prometheus_url),
             metrics=metrics,
         )
     if reporter is not None:

@@ -163,3 +163,23 @@ def test_truncated_alerts_are_counted_and_said_in_the_groups_report(
         assert "Alertmanager left 3 more alert(s) of this group out" in report.content
         metrics = lab.client.get("/metrics").get_data(as_text=True)
         assert "gpufleet_remediator_alerts_truncated_total 3.0" in metrics
+
+
+def test_without_zulip_reports_are_markdown_files(tmp_path: Path) -> None:
+    reports = tmp_path / "reports"
+    for lab in make_lab(tmp_path, extra=f"reports_dir: {reports}\n"):
+        sender = lab.services.sender
+        assert sender is not None, "reports_dir gives a sender that writes files"
+        lab.post(fixture("firing"))
+        lab.process()
+        lab.post(fixture("resolved"))
+        assert sender.send_due() == 2
+        first, second = sorted(reports.glob("*.md"))
+        assert first.name == "000001-gpu-fleet.md"
+        text = first.read_text()
+        assert "✅ **Healed** — `probe-llama` on `server/dioscuri/alpha` (run #1)" in text
+        assert text.rstrip().endswith("`gpu-fleet report 1 · run 1`")
+        assert "**Resolved**" in second.read_text()
+        # Sent once: a second pass writes nothing new, and the outbox says sent.
+        assert sender.send_due() == 0
+        assert {e.state for e in lab.services.journal.outbox_entries()} == {"sent"}

@@ -38,6 +38,7 @@ from enum import Enum
 from remediator.journal import Journal, JournalError, OutboxEntry
 from remediator.metrics import RemediatorMetrics
 from remediator.notify import graph
+from remediator.notify.files import ReportFiles
 from remediator.notify.markdown import code, fit, fit_topic, inline
 from remediator.notify.zulip_api import (
     ServerLimits,
@@ -90,7 +91,7 @@ class OutboxSender:
     def __init__(
         self,
         journal: Journal,
-        api: ZulipApi,
+        api: ZulipApi | ReportFiles,
         settings: SenderSettings,
         *,
         metrics: RemediatorMetrics | None = None,

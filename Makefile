@@ -4,7 +4,6 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-LISTEN ?= 127.0.0.1:9445
 SCRAPES ?= 300
 
 # Debian packages the tests and the benchmark need, and why:
@@ -33,21 +32,13 @@ $(VENV)/.installed: pyproject.toml
 venv: $(VENV)/.installed
 
 RUN_DIR := .run
-REMEDIATOR_LISTEN := 127.0.0.1:9095
 
-## make run: the exporter for this host on $(LISTEN) (the roster from /etc/gpu-fleet/fleet.yaml
-## when there is one; without it, the hardware it finds and no servers), and the remediator on
-## $(REMEDIATOR_LISTEN) with its embedded journal and fresh secrets under $(RUN_DIR)/ (a roster
-## of this one machine, written once; edit it to add servers).
-run: venv
-	@mkdir -p $(RUN_DIR)
-	@test -f $(RUN_DIR)/fleet.yaml || printf 'hosts:\n  local:\n    address: 127.0.0.1\n    local: true\n' > $(RUN_DIR)/fleet.yaml
-	@$(BIN)/gpu-fleet-remediator init-config $(RUN_DIR) --roster $(RUN_DIR)/fleet.yaml
-	@$(BIN)/gpu-fleet-remediator check-config --config $(RUN_DIR)/remediator.yaml
-	@echo "make run: remediator on http://$(REMEDIATOR_LISTEN) (webhook token: $(RUN_DIR)/webhook.token), exporter on http://$(LISTEN)/metrics"
-	@$(BIN)/gpu-fleet-remediator serve --config $(RUN_DIR)/remediator.yaml & remediator=$$!; \
-	trap 'kill $$remediator 2>/dev/null; wait $$remediator' EXIT INT TERM; \
-	$(BIN)/gpu-fleet-exporter --web.listen-address $(LISTEN)
+## make run: the whole loop on this machine, all on 127.0.0.1 with its state under $(RUN_DIR)/:
+## the exporter and the remediator on one roster ($(RUN_DIR)/fleet.yaml, written once), Prometheus
+## (the repository's rules/, both as targets), Alertmanager routing to the remediator, reports as
+## Markdown files in $(RUN_DIR)/reports/ (examples/run_local.py). Ctrl-C stops everything.
+run: deps venv
+	@$(BIN)/python examples/run_local.py --state-dir $(RUN_DIR)
 
 deps:
 	@missing=""; \

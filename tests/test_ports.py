@@ -24,14 +24,13 @@ import pytest
 
 from exporter.collectors.ports import PortsCollector
 from exporter.roster import Server
+from exporter.sources.procfs import process_info, systemd_unit_of
 from exporter.sources.procnet import (
     find_holders,
     parse_listeners,
-    process_info,
     read_listeners,
     read_procfs_listeners,
     read_sock_diag_listeners,
-    systemd_unit_of,
     url_port,
 )
 from exporter.sources.systemd import UnitsReader

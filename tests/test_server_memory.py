@@ -142,13 +142,18 @@ def collectors(
     return nvidia, memory
 
 
-def test_memory_is_attributed_to_servers_by_unit(host: dict[str, object]) -> None:
-    nvidia, memory = collectors(host)
+def scrape_both(host: dict[str, object], **kwargs: Any) -> tuple[Any, CollectorError | None]:
+    """One scrape of NVML, then of the memory collector, which reads what NVML found."""
+    nvidia, memory = collectors(host, **kwargs)
     try:
-        scrape(nvidia)  # the memory collector reads what this scrape of NVML found
-        registry, error = scrape(memory)
+        scrape(nvidia)
+        return scrape(memory)
     finally:
         nvidia.close()
+
+
+def test_memory_is_attributed_to_servers_by_unit(host: dict[str, object]) -> None:
+    registry, error = scrape_both(host)
     assert error is None
     value = registry.get_sample_value
     assert value("gpufleet_server_gpu_memory_bytes", {"server": "alpha", "gpu": "0"}) == 20 * GIB
@@ -185,14 +190,19 @@ def test_without_systemd_nothing_is_attributed(host: dict[str, object]) -> None:
     assert isinstance(stand_in, SystemctlStandIn)
     stand_in.fail = {"exit": 1, "stderr": "Failed to connect to bus: No such file or directory"}
     stand_in.save()
-    nvidia, memory = collectors(host)
-    try:
-        scrape(nvidia)
-        registry, error = scrape(memory)
-    finally:
-        nvidia.close()
+    registry, error = scrape_both(host)
     assert error is not None and "Failed to connect to bus" in str(error)
     assert registry.get_sample_value("gpufleet_gpu_unowned_memory_bytes", {"gpu": "0"}) is None
+
+
+def test_an_unlistable_proc_leaves_unowned_amd_memory_unknown(host: dict[str, object]) -> None:
+    """Which processes exist is unknown: no AMD unowned series, never a 0 from an empty walk."""
+    procfs = host["procfs"]
+    assert isinstance(procfs, Path)
+    procfs.rename(procfs.with_name("proc-elsewhere"))
+    registry, error = scrape_both(host)
+    assert error is not None and f"cannot list the processes of {procfs}" in str(error)
+    assert registry.get_sample_value("gpufleet_gpu_unowned_memory_bytes", {"gpu": "1"}) is None
 
 
 @pytest.mark.parametrize(
@@ -209,15 +219,6 @@ def test_without_systemd_nothing_is_attributed(host: dict[str, object]) -> None:
 )  # fmt: skip
 def test_fdinfo_formats(text: str, expected: tuple[str, str, int] | None) -> None:
     assert parse_fdinfo(text) == expected
-
-
-def scrape_both(host: dict[str, object], **kwargs: Any) -> tuple[Any, CollectorError | None]:
-    nvidia, memory = collectors(host, **kwargs)
-    try:
-        scrape(nvidia)
-        return scrape(memory)
-    finally:
-        nvidia.close()
 
 
 @pytest.mark.parametrize("refusal", ["no_permission", "not_supported"])

@@ -343,6 +343,27 @@ def test_unreadable_boot_time_drops_only_the_start_time(
     }
 
 
+@pytest.mark.parametrize(
+    ("stat", "why"),
+    [
+        ("4242 (llama-server) S 1 4242 4242 0 -1\n", "lacks the fields"),  # cut short
+        ("llama-server is running\n", "/4242/stat is unreadable"),  # not stat's format
+    ],
+)
+def test_a_listed_process_whose_stat_does_not_parse_is_reported(
+    stand_in: SystemctlStandIn, clock: ManualClock, tmp_path: Path, stat: str, why: str
+) -> None:
+    servers = {"alpha": SERVERS["alpha"]}
+    stand_in.set_unit(SERVERS["alpha"].unit, ActiveState="active", MainPID=FIXTURE_PID)
+    procfs = write_procfs(tmp_path / "proc", FIXTURE_PID)
+    (procfs / str(FIXTURE_PID) / "stat").write_text(stat)
+    families, error = scrape(UnitsCollector(servers, reader(clock, servers), procfs=str(procfs)))
+    assert error is not None and why in str(error) and "alpha" in str(error)
+    names = {s.name for f in families for s in f.samples}
+    assert "gpufleet_unit_main_pid" in names  # the unit's series stay
+    assert not names & set(PROCESS_SERIES)  # never half of the process's
+
+
 def test_systemctl_failing(stand_in: SystemctlStandIn, clock: ManualClock) -> None:
     set_golden_units(stand_in)
     stand_in.fail = {"exit": 1, "stderr": "Failed to connect to bus: No such file or directory"}

@@ -59,13 +59,13 @@ from prometheus_client.metrics_core import Metric
 from exporter.collectors import catalogue
 from exporter.collectors.base import CollectorError
 from exporter.roster import Server
+from exporter.sources.procfs import read_comm
 from exporter.sources.procnet import (
     FD_PRIVILEGE,
     HolderScan,
     Listener,
     ProcNetError,
     find_holders,
-    read_comm,
     read_listeners,
     url_port,
 )

@@ -48,6 +48,7 @@ from exporter.collectors.base import CollectorError
 from exporter.gpu_index import GpuIndex
 from exporter.roster import Server
 from exporter.sources import drm_fdinfo
+from exporter.sources.procfs import all_pids
 from exporter.sources.procnet import FD_PRIVILEGE
 from exporter.sources.systemd import SystemdError, UnitsReader, unit_pids
 
@@ -237,9 +238,10 @@ class ServerMemoryCollector:
                 f"(e.g. pid {hidden[0]}): their servers' AMD GPU memory is unknown; "
                 f"the exporter needs {FD_PRIVILEGE}"
             )
-        result = self._continue_walk(owners)
+        result = self._continue_walk(owners, tally)
         if result is None:
-            tally.unknown_unowned.update(amd.values())  # the first walk has not finished yet
+            # The first walk has not finished yet, or /proc cannot be listed.
+            tally.unknown_unowned.update(amd.values())
             return
         foreign_hidden = [pid for pid in result.hidden if pid not in owners]
         if foreign_hidden:
@@ -259,10 +261,17 @@ class ServerMemoryCollector:
             if key[0] in amd:
                 tally.add(None, amd[key[0]], vram)
 
-    def _continue_walk(self, owners: Mapping[int, str]) -> _UnownedResult | None:
+    def _continue_walk(self, owners: Mapping[int, str], tally: _Tally) -> _UnownedResult | None:
         """Read more of /proc for the unowned memory; the last finished walk, if any."""
         if self._walk is None:
-            pids = drm_fdinfo.all_pids(self._procfs)
+            pids = all_pids(self._procfs)
+            if pids is None:
+                # Which processes exist is unknown: no walk, rather than one that finds none.
+                tally.problems.append(
+                    f"cannot list the processes of {self._procfs}: AMD GPU memory of no server "
+                    "is unknown"
+                )
+                return None
             self._walk = _UnownedWalk(sorted(pids, reverse=True))
         walk = self._walk
         deadline = None if self._budget is None else self._clock() + self._budget

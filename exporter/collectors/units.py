@@ -40,8 +40,8 @@ How it reads:
   clock step after boot (NTP) cannot skew it; it is rounded to whole seconds so that it stays
   put between changes.
 - The process series read the unit's main process from `<procfs>/PID/stat` and `status`
-  (proc(5)). psutil would read the same files but only from the global `psutil.PROCFS_PATH`,
-  which a collector must not change under its neighbours, so the files are parsed here.
+  (proc(5)) with `sources/procfs`. psutil would read the same files but only from the global
+  `psutil.PROCFS_PATH`, which a collector must not change under its neighbours.
   A process that exited between systemctl's answer and the read is simply absent; any other
   unreadable `/proc` file is reported with `CollectorError` after the rest is yielded.
 """
@@ -57,14 +57,11 @@ from prometheus_client.metrics_core import Metric
 from exporter.collectors import catalogue
 from exporter.collectors.base import CollectorError
 from exporter.roster import Server
+from exporter.sources.procfs import boot_time, listed, read_stat, read_status
 from exporter.sources.systemd import SystemdError, UnitsReader, UnitStatus, monotonic_to_unix
 
 # systemd's unit active states (systemd.unit(5), "ActiveState"; `systemctl --state=help`).
 ACTIVE_STATES = ("active", "reloading", "inactive", "failed", "activating", "deactivating")
-
-# A process that exits after systemctl named it: its /proc directory is gone (ENOENT), or a
-# file opened just before it was reaped can no longer be read (ESRCH).
-_VANISHED = (FileNotFoundError, ProcessLookupError)
 
 
 @dataclass(frozen=True)
@@ -77,43 +74,30 @@ class ProcessStats:
     start_ticks: int  # clock ticks after boot (proc(5): stat field 22, `starttime`)
 
 
+class ProcessUnreadable(Exception):
+    """The process exists but its `stat` or `status` cannot be read or lacks a field."""
+
+
 def read_process(pid: int, *, procfs: str = "/proc", clock_ticks: int) -> ProcessStats | None:
     """The process's stats, or None when it no longer exists.
 
-    Raises `OSError` or `ValueError` when the files exist but cannot be read or parsed.
-    Both files are read before anything is returned, so a process that exits between the two
-    reads gives None, never half of its series.
+    Raises `ProcessUnreadable` when it is still listed but its files cannot be read or
+    parsed. Both files are read before anything is returned, so a process that exits between
+    the two reads gives None, never half of its series.
     """
-    directory = os.path.join(procfs, str(pid))
-    try:
-        with open(os.path.join(directory, "stat"), "rb") as f:
-            stat = f.read()
-        with open(os.path.join(directory, "status"), "rb") as f:
-            status = f.read()
-    except _VANISHED:
-        return None
-    # The command name (field 2) is in parentheses and may itself hold spaces and ')': the
-    # fields that follow start after the last ')' (proc(5)). fields[0] is field 3, `state`.
-    fields = stat[stat.rindex(b")") + 2 :].split()
-    utime, stime = int(fields[11]), int(fields[12])  # fields 14 and 15, in clock ticks
-    threads = int(fields[17])  # field 20, num_threads
-    start_ticks = int(fields[19])  # field 22, starttime
-    rss: int | None = None
-    for line in status.splitlines():
-        if line.startswith(b"VmRSS:"):
-            # "VmRSS:\t   1780 kB": the kernel's "kB" is KiB (proc(5)).
-            rss = int(line.split()[1]) * 1024
-            break
-    return ProcessStats(rss, (utime + stime) / clock_ticks, threads, start_ticks)
-
-
-def read_boot_time(procfs: str = "/proc") -> float:
-    """The boot time as Unix time (`btime` of `/proc/stat`); raises `OSError`/`ValueError`."""
-    with open(os.path.join(procfs, "stat"), "rb") as f:
-        for line in f:
-            if line.startswith(b"btime "):
-                return float(line.split()[1])
-    raise ValueError(f"{procfs}/stat has no btime line")
+    stat = read_stat(pid, procfs=procfs)
+    status = read_status(pid, procfs=procfs) if stat is not None else None
+    if stat is None or status is None:
+        if listed(pid, procfs=procfs):
+            what = "stat" if stat is None else "status"
+            raise ProcessUnreadable(f"{procfs}/{pid}/{what} is unreadable or not in its format")
+        return None  # exited since systemctl named it (or between the two reads)
+    utime, stime = stat.utime_ticks, stat.stime_ticks
+    if utime is None or stime is None or stat.threads is None or stat.start_ticks is None:
+        raise ProcessUnreadable(f"{procfs}/{pid}/stat lacks the fields proc(5) promises")
+    return ProcessStats(
+        status.resident_bytes, (utime + stime) / clock_ticks, stat.threads, stat.start_ticks
+    )
 
 
 class _Families:
@@ -172,7 +156,7 @@ class UnitsCollector:
             raise CollectorError(str(exc)) from None
         families = _Families()
         problems: list[str] = []
-        boot_time: float | None = None
+        booted: float | None = None
         boot_time_read = False
         for server_name, server in self._servers.items():
             status = statuses.get(server.unit)
@@ -186,8 +170,7 @@ class UnitsCollector:
                 stats = read_process(
                     status.main_pid, procfs=self._procfs, clock_ticks=self._clock_ticks
                 )
-            except (OSError, ValueError, IndexError) as exc:
-                # IndexError: a stat line with fewer fields than proc(5) promises.
+            except ProcessUnreadable as exc:
                 problems.append(f"{server_name}: cannot read process {status.main_pid}: {exc}")
                 continue
             if stats is None:
@@ -195,11 +178,10 @@ class UnitsCollector:
             if not boot_time_read:
                 # Read once per scrape, and only when a process needs it.
                 boot_time_read = True
-                try:
-                    boot_time = read_boot_time(self._procfs)
-                except (OSError, ValueError) as exc:
-                    problems.append(f"cannot read the boot time: {exc}")
-            _export_process(families, server_name, stats, boot_time, self._clock_ticks)
+                booted = boot_time(self._procfs)
+                if booted is None:
+                    problems.append(f"cannot read the boot time (btime of {self._procfs}/stat)")
+            _export_process(families, server_name, stats, booted, self._clock_ticks)
         yield from (family for family in families.all() if family.samples)
         if problems:
             raise CollectorError("; ".join(problems))

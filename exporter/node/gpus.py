@@ -46,6 +46,7 @@ from exporter.roster import PowerBounds, Server
 from exporter.sources import drm_fdinfo
 from exporter.sources.amdgpu import AmdCard, discover_cards
 from exporter.sources.nvml import NvmlBackend, is_library_missing, is_not_supported
+from exporter.sources.procfs import all_pids
 from exporter.sources.sysfs import read_int
 from exporter.sources.systemd import SystemdError, show_units, unit_pids
 
@@ -58,7 +59,7 @@ NVML_DEADLINE_SECONDS = 20.0
 
 
 class GpuError(Exception):
-    """The GPUs could not be read (NVML failing or hanging)."""
+    """The GPUs could not be read (NVML failing or hanging), or their processes listed."""
 
 
 @dataclass
@@ -181,7 +182,10 @@ class Gpus:
                 found.extend((pid, gpu.index, used) for pid, used in listed)
         amd = {gpu.pci_bus_id: gpu.index for gpu in self.gpus if gpu.vendor == "amd"}
         if amd:
-            scan = drm_fdinfo.scan(drm_fdinfo.all_pids(procfs), procfs=procfs)
+            pids = all_pids(procfs)
+            if pids is None:
+                raise GpuError(f"cannot list the processes of {procfs}")
+            scan = drm_fdinfo.scan(pids, procfs=procfs)
             for (pid, pdev), used in sorted(scan.vram.items()):
                 if pdev in amd:
                     found.append((pid, amd[pdev], used))

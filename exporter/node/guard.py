@@ -41,17 +41,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from exporter.roster import DEFAULT_ROSTER_PATH, RosterError, load_roster, resolve_host_name
-from exporter.sources.procnet import (
-    ProcessInfo,
-    ProcNetError,
-    find_holders,
-    process_info,
-    process_state,
-    read_listeners,
-    start_ticks,
-    systemd_unit_of,
-    url_port,
-)
+from exporter.sources.procfs import ProcessInfo, process_info, read_stat, systemd_unit_of
+from exporter.sources.procnet import ProcNetError, find_holders, read_listeners, url_port
 from exporter.sources.systemd import SystemdError, UnitStatus, show_units, unit_pids
 
 PRIVILEGE = "root, or CAP_SYS_PTRACE and CAP_DAC_READ_SEARCH (and CAP_KILL to act)"
@@ -430,11 +421,11 @@ class _Target:
 
     def same(self) -> bool:
         """True while the pid still names the judged process (and it has not exited)."""
-        ticks = start_ticks(self.info.pid, procfs=self.procfs)
-        if ticks is None or ticks != self.info.start_ticks:
+        stat = read_stat(self.info.pid, procfs=self.procfs)
+        if stat is None or stat.start_ticks is None or stat.start_ticks != self.info.start_ticks:
             return False
         # A zombie has closed its files already: for the port it is gone.
-        return process_state(self.info.pid, procfs=self.procfs) not in ("Z", "X", None)
+        return stat.state not in ("Z", "X")
 
     def signal(self, signum: signal.Signals) -> None:
         """Send `signum`; a process that has exited meanwhile is simply gone."""

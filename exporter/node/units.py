@@ -14,7 +14,6 @@ text from the request. Both are run from PATH as argv lists.
 
 from __future__ import annotations
 
-import os
 import shlex
 import time
 from collections.abc import Callable, Mapping
@@ -23,14 +22,8 @@ from typing import Any
 
 from exporter.roster import Server
 from exporter.sources.journal import JournalError, unit_journal
-from exporter.sources.procnet import (
-    ProcNetError,
-    find_holders,
-    process_info,
-    read_listeners,
-    systemd_unit_of,
-    url_port,
-)
+from exporter.sources.procfs import process_info, read_cgroup, read_status, systemd_unit_of
+from exporter.sources.procnet import ProcNetError, find_holders, read_listeners, url_port
 from exporter.sources.systemd import (
     SystemdError,
     UnitStatus,
@@ -188,26 +181,20 @@ def _main_process(pid: int, procfs: str) -> dict[str, Any]:
     info = process_info(pid, procfs=procfs)
     if info is None:
         raise ValueError(f"the main process {pid} is gone")
-    rss_bytes = threads = None
-    with open(os.path.join(procfs, str(pid), "status"), encoding="utf-8", errors="replace") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key == "VmRSS":  # "  123456 kB"
-                rss_bytes = int(value.split()[0]) * 1024
-            elif key == "Threads":
-                threads = int(value)
-    with open(os.path.join(procfs, str(pid), "cgroup"), encoding="utf-8", errors="replace") as f:
-        cgroup = f.read().strip()[:MAX_CMDLINE]
+    status = read_status(pid, procfs=procfs)
+    cgroup = read_cgroup(pid, procfs=procfs)
+    if status is None or cgroup is None:
+        raise ValueError(f"cannot read {procfs}/{pid}/status and cgroup (exited meanwhile?)")
     return {
         "pid": pid,
         "comm": info.comm,
         "exe": info.exe,
         "cmdline": shlex.join(info.cmdline)[:MAX_CMDLINE],
         "user": info.user,
-        "rss_bytes": rss_bytes,
-        "threads": threads,
+        "rss_bytes": status.resident_bytes,
+        "threads": status.threads,
         "start_time": info.start_time,
-        "cgroup": cgroup,
+        "cgroup": cgroup.strip()[:MAX_CMDLINE],
     }
 
 

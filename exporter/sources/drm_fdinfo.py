@@ -103,11 +103,3 @@ def scan(pids: Iterable[int], *, procfs: str = "/proc") -> DrmScan:
             key = (pid, pdev)
             result.vram[key] = result.vram.get(key, 0) + vram
     return result
-
-
-def all_pids(procfs: str = "/proc") -> list[int]:
-    """Every process id in `procfs`."""
-    try:
-        return [int(e) for e in os.listdir(procfs) if e.isdigit()]
-    except OSError:
-        return []

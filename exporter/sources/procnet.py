@@ -1,6 +1,6 @@
 """Listening TCP sockets and the processes that hold them, read from procfs.
 
-Three steps, each cheap enough for every scrape:
+Two steps, each cheap enough for every scrape:
 
 1. `read_listeners`: the listening sockets, as `<procfs>/net/tcp` and `tcp6` list them
    (proc(5), "tcp"): one line per socket, `local_address` as `HEXADDR:HEXPORT`, `st` the TCP
@@ -15,7 +15,8 @@ Three steps, each cheap enough for every scrape:
    in `<procfs>/PID/fd/`, and a socket's link reads `socket:[INODE]` (proc(5), "/proc/pid/fd").
    Remembered holders are re-checked first (one readlink each), then a given candidate set (the
    unit's processes), and the rest of /proc only when a socket is still unaccounted for.
-3. `process_info`: what a holder is: comm, resolved executable, cmdline, owner, start time.
+
+What a holder is (comm, executable, owner, start time) is `sources/procfs.process_info`.
 
 Privilege: `/proc/PID/fd` of another user's process is mode 0500 and owned by that user, and the
 kernel also requires ptrace read access to it (proc_fd_permission → ptrace_may_access with
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 import errno
 import os
-import pwd
 import socket
 import struct
 import sys
@@ -39,11 +39,12 @@ from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from exporter.sources.procfs import all_pids
+
 # What reading other users' `/proc/PID/fd` takes (see "Privilege" above); ports and GPU memory
 # per process both need it and say so in their messages.
 FD_PRIVILEGE = "root, or CAP_SYS_PTRACE and CAP_DAC_READ_SEARCH"
 TCP_LISTEN = "0A"  # include/net/tcp_states.h: TCP_LISTEN = 10
-_DELETED = " (deleted)"  # what the kernel's d_path appends to an unlinked file's path
 # EACCES from the fd directory's mode, EPERM from the ptrace access check (both happen).
 _DENIED = (errno.EACCES, errno.EPERM)
 
@@ -83,22 +84,6 @@ class HolderScan:
     def unresolved(self, inodes: Iterable[int]) -> set[int]:
         """Those of `inodes` for which no holder was found."""
         return {inode for inode in inodes if not self.holders.get(inode)}
-
-
-@dataclass(frozen=True)
-class ProcessInfo:
-    """What a process is, for evidence and decisions; None where it could not be read."""
-
-    pid: int
-    comm: str | None
-    exe: str | None  # `/proc/PID/exe` resolved, without the kernel's " (deleted)" suffix
-    exe_deleted: bool  # the executable was replaced or removed since the process started
-    cmdline: tuple[str, ...]
-    uid: int | None  # effective uid (as `ps -o user` shows)
-    user: str | None
-    start_ticks: int | None  # `stat` starttime: clock ticks after boot (identity with the pid)
-    start_time: float | None  # Unix time
-    state: str | None  # `stat` state letter: R S D T Z ...
 
 
 # ---------------------------------------------------------------------------------------------
@@ -319,11 +304,6 @@ def _scan_process(pid: int, procfs: str, targets: dict[str, int], scan: HolderSc
             scan.places.setdefault(inode, (pid, name))
 
 
-def all_pids(procfs: str = "/proc") -> list[int]:
-    """Every process id in `procfs` (thread-group leaders: threads live under PID/task)."""
-    return [int(name) for name in os.listdir(procfs) if name.isdigit()]
-
-
 def find_holders(
     inodes: Collection[int],
     candidates: Iterable[int] = (),
@@ -377,10 +357,9 @@ def find_holders(
     if not rest or done():
         return scan
     scan.full_scan = True
-    try:
-        pids = all_pids(procfs)
-    except OSError as exc:
-        raise ProcNetError(f"{procfs}: cannot list processes: {exc.strerror or exc}") from None
+    pids = all_pids(procfs)
+    if pids is None:
+        raise ProcNetError(f"{procfs}: cannot list processes")
     read_one = False
     for pid in pids:
         if pid in scan.scanned or pid in skip:
@@ -393,147 +372,3 @@ def find_holders(
         if done():
             break
     return scan
-
-
-# ---------------------------------------------------------------------------------------------
-# Processes
-# ---------------------------------------------------------------------------------------------
-
-
-def _read_text(path: str) -> str | None:
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            return f.read()
-    except OSError:
-        return None
-
-
-def boot_time(procfs: str = "/proc") -> float | None:
-    """The boot time (Unix seconds), the `btime` line of `<procfs>/stat`."""
-    text = _read_text(os.path.join(procfs, "stat")) or ""
-    for line in text.splitlines():
-        if line.startswith("btime "):
-            try:
-                return float(line.split()[1])
-            except (IndexError, ValueError):
-                return None
-    return None
-
-
-def _stat_fields(pid: int, procfs: str) -> list[str] | None:
-    """`<procfs>/PID/stat` from field 3 (state) on; None when the process is gone."""
-    text = _read_text(os.path.join(procfs, str(pid), "stat"))
-    if text is None:
-        return None
-    # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so the fields
-    # start after the *last* ')' (proc(5), "/proc/pid/stat").
-    end = text.rfind(")")
-    return text[end + 2 :].split() if end >= 0 else None
-
-
-def start_ticks(pid: int, procfs: str = "/proc") -> int | None:
-    """The process's start time in clock ticks after boot (`stat` field 22); None if gone.
-
-    Together with the pid this names one process for good: a pid can be reused, a
-    (pid, start time) pair cannot.
-    """
-    fields = _stat_fields(pid, procfs)
-    try:
-        return int(fields[19]) if fields else None  # field 22; fields[0] is field 3
-    except (IndexError, ValueError):
-        return None
-
-
-def process_state(pid: int, procfs: str = "/proc") -> str | None:
-    """The scheduler state letter (`R`, `S`, `D`, `T`, `Z`, ...); None when the pid is gone."""
-    fields = _stat_fields(pid, procfs)
-    return fields[0] if fields else None
-
-
-def _effective_uid(pid: int, procfs: str) -> int | None:
-    text = _read_text(os.path.join(procfs, str(pid), "status")) or ""
-    for line in text.splitlines():
-        if line.startswith("Uid:"):
-            parts = line.split()  # Uid: real effective saved filesystem
-            try:
-                return int(parts[2])
-            except (IndexError, ValueError):
-                return None
-    return None
-
-
-def _user_name(uid: int | None) -> str | None:
-    if uid is None:
-        return None
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return None
-
-
-def process_info(pid: int, *, procfs: str = "/proc") -> ProcessInfo | None:
-    """What process `pid` is; None when it does not exist (any more)."""
-    base = os.path.join(procfs, str(pid))
-    fields = _stat_fields(pid, procfs)
-    if fields is None:
-        return None
-    comm = _read_text(os.path.join(base, "comm"))
-    try:
-        exe: str | None = os.readlink(os.path.join(base, "exe"))
-    except OSError:
-        exe = None  # kernel threads have none; another user's needs privilege
-    deleted = exe is not None and exe.endswith(_DELETED)
-    if exe is not None and deleted:
-        exe = exe[: -len(_DELETED)]
-    raw_cmdline = _read_text(os.path.join(base, "cmdline")) or ""
-    cmdline = tuple(part for part in raw_cmdline.split("\0") if part)
-    uid = _effective_uid(pid, procfs)
-    try:
-        ticks: int | None = int(fields[19])
-    except (IndexError, ValueError):
-        ticks = None
-    btime = boot_time(procfs)
-    start = None
-    if ticks is not None and btime is not None:
-        start = btime + ticks / os.sysconf("SC_CLK_TCK")
-    return ProcessInfo(
-        pid=pid,
-        comm=comm.rstrip("\n") if comm is not None else None,
-        exe=exe,
-        exe_deleted=deleted,
-        cmdline=cmdline,
-        uid=uid,
-        user=_user_name(uid),
-        start_ticks=ticks,
-        start_time=start,
-        state=fields[0] if fields else None,
-    )
-
-
-def read_comm(pid: int, *, procfs: str = "/proc") -> str | None:
-    """The process's command name (`comm`, at most 15 bytes); None when it is gone."""
-    text = _read_text(os.path.join(procfs, str(pid), "comm"))
-    return text.rstrip("\n") if text is not None else None
-
-
-def systemd_unit_of(pid: int, *, procfs: str = "/proc") -> str | None:
-    """The systemd service or scope whose cgroup holds `pid` (from `/proc/PID/cgroup`).
-
-    The cgroup v2 line is `0::/system.slice/NAME.service`; on v1 the `name=systemd` hierarchy
-    carries the same path. The innermost `.service`/`.scope` component names the unit (a
-    service may create sub-cgroups below itself). None outside any unit, or when unreadable.
-    """
-    text = _read_text(os.path.join(procfs, str(pid), "cgroup"))
-    if text is None:
-        return None
-    paths = []
-    for line in text.splitlines():
-        _, _, rest = line.partition(":")
-        controllers, _, path = rest.partition(":")
-        if controllers in ("", "name=systemd"):
-            paths.append(path)
-    for path in paths:
-        for part in reversed(path.split("/")):
-            if part.endswith((".service", ".scope")):
-                return part
-    return None

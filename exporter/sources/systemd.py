@@ -18,6 +18,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from exporter.sources.procfs import descendants
+
 log = logging.getLogger(__name__)
 
 SYSTEMCTL = "systemctl"
@@ -207,8 +209,7 @@ def unit_pids(status: UnitStatus, *, sysfs: str = "/sys", procfs: str = "/proc")
     """The unit's processes: its main process and every process of its control group.
 
     From the unit's cgroup (`cgroup.procs`, v2 then v1's systemd hierarchy) when readable;
-    else the main process and its descendants, through `/proc/PID/task/TID/children` (a
-    kernel with CONFIG_PROC_CHILDREN, as Debian's and Ubuntu's are); else the main process.
+    else the main process and its descendants (`procfs.descendants`).
     """
     if status.control_group:
         relative = status.control_group.lstrip("/")
@@ -224,60 +225,6 @@ def unit_pids(status: UnitStatus, *, sysfs: str = "/sys", procfs: str = "/proc")
     if status.main_pid is None:
         return set()
     return descendants(status.main_pid, procfs=procfs)
-
-
-def descendants(pid: int, *, procfs: str = "/proc") -> set[int]:
-    """`pid` and all its descendants.
-
-    Through `/proc/PID/task/TID/children` where the kernel has it (CONFIG_PROC_CHILDREN);
-    otherwise from every process's parent in `/proc/PID/stat` (one pass over /proc).
-    """
-    children_file = os.path.join(procfs, str(pid), "task", str(pid), "children")
-    if not os.path.exists(children_file):
-        return _descendants_by_parent(pid, procfs)
-    found = {pid}
-    todo = [pid]
-    while todo:
-        current = todo.pop()
-        task_dir = os.path.join(procfs, str(current), "task")
-        try:
-            tids = os.listdir(task_dir)
-        except OSError:
-            continue
-        for tid in tids:
-            try:
-                with open(os.path.join(task_dir, tid, "children"), encoding="ascii") as f:
-                    children = [int(c) for c in f.read().split()]
-            except (OSError, ValueError):
-                continue
-            for child in children:
-                if child not in found:
-                    found.add(child)
-                    todo.append(child)
-    return found
-
-
-def _descendants_by_parent(pid: int, procfs: str) -> set[int]:
-    by_parent: dict[int, list[int]] = {}
-    for entry in os.listdir(procfs):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(os.path.join(procfs, entry, "stat"), "rb") as f:
-                stat = f.read()
-            # The command name may hold spaces and parentheses: fields follow the last ')'.
-            ppid = int(stat[stat.rindex(b")") + 2 :].split()[1])
-        except (OSError, ValueError):
-            continue
-        by_parent.setdefault(ppid, []).append(int(entry))
-    found = {pid}
-    todo = [pid]
-    while todo:
-        for child in by_parent.get(todo.pop(), ()):
-            if child not in found:
-                found.add(child)
-                todo.append(child)
-    return found
 
 
 def run_unit_job(

@@ -53,7 +53,10 @@ def test_props_context_is_per_slot() -> None:
     assert props.n_ctx_per_slot == 32768  # -c 65536 -np 2
     assert props.total_slots == 2
     assert props.alias == "tiny"
-    assert props.build == "b0-unknown"
+    # The pinned build from its source package: no git metadata, "b0-unknown" names no version.
+    assert props.build == ""
+    assert props.is_sleeping is False  # awake when captured
+    assert props.router is False
     with pytest.raises(ParseError):
         parse_props(b"[1]")
 

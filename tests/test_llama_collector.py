@@ -53,7 +53,9 @@ class Scrape:
         try:
             for family in families:
                 for s in family.samples:
-                    self.samples[s.name, frozenset(s.labels.items())] = s.value
+                    # As Prometheus stores it: an empty served_model (not a router) is no label.
+                    labels = {k: v for k, v in s.labels.items() if k != "served_model" or v}
+                    self.samples[s.name, frozenset(labels.items())] = s.value
         except CollectorError as exc:
             self.error = exc
 
@@ -113,7 +115,9 @@ def test_idle_server(llama_server: StartLlamaServer, collectors: Made) -> None:
     assert len(info) == 1
     labels = dict(info[0])
     assert labels["alias"] == "tiny" and labels["role"] == "gpu-dense"
-    assert labels["model"] == "tiny-test" and labels["build"] != ""
+    # The pinned build comes from a source package: its build_info "b0-unknown" is no version.
+    assert labels["model"] == "tiny-test" and labels["build"] == ""
+    assert s.get("gpufleet_llama_sleeping", server="alpha") == 0
     assert "instance" not in labels and "host" not in labels
     assert s.get("gpufleet_llama_context_tokens", server="alpha") == 512  # per slot
     assert s.get("gpufleet_llama_slots", server="alpha", state="idle") == 2
@@ -122,8 +126,12 @@ def test_idle_server(llama_server: StartLlamaServer, collectors: Made) -> None:
     assert s.get("gpufleet_llama_requests_deferred", server="alpha") == 0
     assert s.get("gpufleet_llama_decode_calls_total", server="alpha") is not None
     assert s.get("gpufleet_llama_predicted_tokens_total", server="alpha") == 0
-    for endpoint in ("metrics", "slots", "props"):
+    for endpoint in ("metrics", "props"):
         assert s.endpoint("alpha", endpoint) == "ok"
+    # Nothing processing: every slot is idle (from /props total_slots) and /slots, which would
+    # reset the idle timer of a server that sleeps, was not asked.
+    assert not [labels for (n, labels) in s.samples if n == "gpufleet_llama_endpoint"
+                and ("endpoint", "slots") in labels]  # fmt: skip
     assert not any(n.startswith("gpufleet_llama_slot_") for n in s.names("alpha"))
 
 
@@ -208,7 +216,7 @@ def test_killed_and_frozen_servers_cost_one_timeout(
     assert s.health("frozen") == "timeout" and s.get("gpufleet_llama_up", server="frozen") == 0
     assert s.health("killed") == "unreachable" and s.get("gpufleet_llama_up", server="killed") == 0
     assert s.health("healthy") == "ok"
-    for endpoint in ("metrics", "slots", "props"):
+    for endpoint in ("metrics", "props"):
         assert s.endpoint("healthy", endpoint) == "ok"
     assert s.get("gpufleet_llama_decode_calls_total", server="healthy") is not None
     # Down servers keep their identity and say nothing about endpoints they did not read.
@@ -259,7 +267,7 @@ def test_api_key_from_a_file(
     s = scrape(collector)
     for name in ("good", "wrong", "missing"):
         assert s.get("gpufleet_llama_up", server=name) == 1  # /health needs no key
-    for endpoint in ("metrics", "slots", "props"):
+    for endpoint in ("metrics", "props"):
         assert s.endpoint("good", endpoint) == "ok"
         assert s.endpoint("wrong", endpoint) == "error"  # 401
         assert s.endpoint("missing", endpoint) == "error"
@@ -275,12 +283,14 @@ def test_without_metrics_or_slots_only_those_series_go(
     s = scrape(make(collectors, a=entry(no_metrics.url), b=entry(no_slots.url)))
     assert s.error is None
     assert s.endpoint("a", "metrics") == "disabled"
-    assert s.endpoint("a", "slots") == "ok"
     assert s.get("gpufleet_llama_decode_calls_total", server="a") is None
-    assert s.get("gpufleet_llama_slots", server="a", state="idle") == 2
-    assert s.endpoint("b", "slots") == "disabled"
+    # Without /metrics nothing says whether requests are processing, and /slots would keep a
+    # sleeping server awake: the slots are unknown, so absent.
+    assert s.get("gpufleet_llama_slots", server="a", state="idle") is None
+    assert "gpufleet_llama_slot_decoded_tokens" not in s.names("a")
     assert s.endpoint("b", "metrics") == "ok"
-    assert s.get("gpufleet_llama_slots", server="b", state="idle") is None
+    # Idle: every slot free, from /props; /slots (disabled here) is not needed to say so.
+    assert s.get("gpufleet_llama_slots", server="b", state="idle") == 2
     assert s.get("gpufleet_llama_decode_calls_total", server="b") is not None
     assert s.get("gpufleet_llama_context_tokens", server="b") == 512  # from /props
     for name in ("a", "b"):
@@ -294,7 +304,7 @@ def test_canary_measures_an_idle_server_and_skips_a_busy_one(
     settings = Canary(interval_seconds=10, max_tokens=16, timeout_seconds=30)
     probe = CanaryProbe("alpha", entry(server.url, canary=settings.model_dump()), settings)
     assert probe.run_once() == "ok", server.log_tail()
-    result, _ = probe.snapshot()
+    result = probe.snapshot()[0].get("")
     assert result is not None
     assert result.generation_tokens_per_second is not None
     assert result.generation_tokens_per_second > 0
@@ -320,7 +330,7 @@ def test_canary_collector_runs_in_the_background(
     )
     collectors.append(collector)
     probe = collector.probes[0]
-    wait_until(lambda: probe.snapshot()[0] is not None, timeout=30, what="the first canary run")
+    wait_until(lambda: probe.snapshot()[0] != {}, timeout=30, what="the first canary run")
     s = Scrape(iter(collector.collect()))
     assert (s.get("gpufleet_canary_tokens_per_second", server="alpha", phase="generation") or 0) > 0
     assert s.get("gpufleet_canary_last_run_timestamp_seconds", server="alpha") is not None

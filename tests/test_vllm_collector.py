@@ -211,10 +211,11 @@ def test_trickling_answer_is_cut_off_at_the_deadline_and_not_queued_behind(
     assert endpoint_state(registry) == "busy"
     assert value(registry, "gpufleet_vllm_requests_running") is None
 
-    # The first call still runs: the next scrape counts it as busy without calling again.
+    # The call was cut at its deadline (the whole call is bounded, not each read): the next
+    # scrape makes a fresh call, cut at the deadline again, and never two at once.
     registry, _ = scrape(collector)
     assert endpoint_state(registry) == "busy"
-    assert [seen.path for seen in server.seen].count("/metrics") == 1
+    assert [seen.path for seen in server.seen].count("/metrics") == 2
 
     server.release()
     deadline = time.monotonic() + 5

@@ -228,6 +228,31 @@ _FAMILIES: tuple[Family, ...] = (
     # llama-server: collectors/llama.py
     Family("gpufleet_llama_up", GAUGE, "1 when /health answered 200.", ("server",)),
     Family(
+        "gpufleet_llama_sleeping",
+        GAUGE,
+        "1 while the server sleeps (--sleep-idle-seconds: model unloaded), 0 awake, from /props "
+        "is_sleeping; absent when unknown.",
+        ("server",),
+    ),
+    Family(
+        "gpufleet_llama_model_info",
+        GAUGE,
+        "A model a router (--models-dir, --models-preset) lists in /models; the value is 1.",
+        ("server", "served_model"),
+    ),
+    Family(
+        "gpufleet_llama_model_state",
+        GAUGE,
+        "A router model's state, 0/1: unloaded, loading, loaded, sleeping, failed.",
+        ("server", "served_model", "state"),
+    ),
+    Family(
+        "gpufleet_llama_model_exit_code",
+        GAUGE,
+        "Exit code of a router model's child after a failed load.",
+        ("server", "served_model"),
+    ),
+    Family(
         "gpufleet_llama_health",
         GAUGE,
         "/health's answer: ok, loading (503), error, unreachable (refused), timeout.",
@@ -242,64 +267,106 @@ _FAMILIES: tuple[Family, ...] = (
     Family(
         "gpufleet_llama_endpoint",
         GAUGE,
-        "State of /metrics, /slots and /props: ok, busy (timed out), disabled, error.",
+        "State of /metrics, /slots, /props and a router's /models: ok, busy (timed out or still in"
+        " flight), disabled, error; absent when not asked this scrape (/slots of an idle server).",
         ("server", "endpoint", "state"),
     ),
-    Family("gpufleet_llama_slots", GAUGE, "Slots by state.", ("server", "state")),
+    Family("gpufleet_llama_slots", GAUGE, "Slots by state.", ("server", "served_model", "state")),
     Family(
-        "gpufleet_llama_context_tokens", GAUGE, "Context size per slot, in tokens.", ("server",)
+        "gpufleet_llama_context_tokens",
+        GAUGE,
+        "Context size per slot, in tokens.",
+        ("server", "served_model"),
     ),
-    Family("gpufleet_llama_requests_processing", GAUGE, "Requests being processed.", ("server",)),
     Family(
-        "gpufleet_llama_requests_deferred", GAUGE, "Requests waiting for a free slot.", ("server",)
+        "gpufleet_llama_requests_processing",
+        GAUGE,
+        "Requests being processed.",
+        ("server", "served_model"),
+    ),
+    Family(
+        "gpufleet_llama_requests_deferred",
+        GAUGE,
+        "Requests waiting for a free slot.",
+        ("server", "served_model"),
     ),
     Family(
         "gpufleet_llama_decode_calls_total",
         COUNTER,
         "llama_decode() calls: moves during generation.",
-        ("server",),
+        ("server", "served_model"),
     ),
     Family(
         "gpufleet_llama_prompt_tokens_total",
         COUNTER,
         "Prompt tokens processed (moves when requests finish).",
-        ("server",),
+        ("server", "served_model"),
     ),
     Family(
         "gpufleet_llama_predicted_tokens_total",
         COUNTER,
         "Tokens generated (moves when requests finish).",
-        ("server",),
+        ("server", "served_model"),
     ),
     Family(
         "gpufleet_llama_prompt_seconds_total",
         COUNTER,
         "Time spent processing prompts.",
-        ("server",),
+        ("server", "served_model"),
     ),
     Family(
         "gpufleet_llama_predicted_seconds_total",
         COUNTER,
         "Time spent generating tokens.",
-        ("server",),
+        ("server", "served_model"),
+    ),
+    Family(
+        "gpufleet_llama_prompt_tokens_cached_total",
+        COUNTER,
+        "Prompt tokens reused from the KV cache (not processed again).",
+        ("server", "served_model"),
+    ),
+    Family(
+        "gpufleet_llama_spec_drafts_total",
+        COUNTER,
+        "Speculative decoding: draft verification steps.",
+        ("server", "served_model"),
+    ),
+    Family(
+        "gpufleet_llama_spec_draft_tokens_total",
+        COUNTER,
+        "Speculative decoding: tokens drafted.",
+        ("server", "served_model"),
+    ),
+    Family(
+        "gpufleet_llama_spec_accepted_tokens_total",
+        COUNTER,
+        "Speculative decoding: drafted tokens the target model accepted.",
+        ("server", "served_model"),
+    ),
+    Family(
+        "gpufleet_llama_tokens_max",
+        GAUGE,
+        "Longest sequence (prompt + generation) seen since the server started, in tokens.",
+        ("server", "served_model"),
     ),
     Family(
         "gpufleet_llama_slot_decoded_tokens",
         GAUGE,
         "Tokens decoded so far by the busy slot's request.",
-        ("server", "slot"),
+        ("server", "served_model", "slot"),
     ),
     Family(
         "gpufleet_llama_slot_predict_limit",
         GAUGE,
         "The busy slot's request's n_predict; +Inf when it has no cap.",
-        ("server", "slot"),
+        ("server", "served_model", "slot"),
     ),
     Family(
         "gpufleet_llama_slot_task_age_seconds",
         GAUGE,
         "How long the busy slot's task has run, since the exporter first saw it.",
-        ("server", "slot"),
+        ("server", "served_model", "slot"),
     ),
     # vLLM: collectors/vllm.py
     Family(
@@ -468,18 +535,19 @@ _FAMILIES: tuple[Family, ...] = (
         "gpufleet_canary_tokens_per_second",
         GAUGE,
         "Throughput of the last canary completion, from llama-server's timings.",
-        ("server", "phase"),
+        ("server", "served_model", "phase"),
     ),
     Family(
         "gpufleet_canary_last_run_timestamp_seconds",
         GAUGE,
         "When the last successful canary completion finished (Unix time).",
-        ("server",),
+        ("server", "served_model"),
     ),
     Family(
         "gpufleet_canary_runs_total",
         COUNTER,
-        "Canary attempts by outcome: ok, skipped_down, skipped_busy, skipped_unknown, error.",
+        "Canary attempts by outcome: ok, skipped_down, skipped_sleeping, skipped_busy, "
+        "skipped_idle, skipped_unknown, error.",
         ("server", "outcome"),
     ),
     # The exporter itself: collectors/selfstats.py

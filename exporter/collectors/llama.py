@@ -1,51 +1,76 @@
-"""llama-server: health, identity, slots, requests and token counters of every roster server.
+"""llama-server: health, identity, sleep, router models, slots, requests and token counters.
 
-All servers, and the four endpoints of each (`/health`, `/props`, `/metrics`, `/slots`), are
-read at once on the collector's thread pool, each call with the server's `timeout_seconds`; the
-scrape waits at most the largest of those (plus a small margin), so a server that accepts the
-connection and never answers costs one timeout and nothing else.
+Every roster server is read by a driver of its own, all at once, under one deadline per server
+(its `timeout_seconds` from the scrape's start), through `exporter.sources.bounded`: each
+(server, endpoint) is a lane with at most one call in flight, `/health` a lane of its own, and
+every call is bounded as a whole. A trickling, hung or stopped server costs its own series; its
+neighbours are read on time.
+
+What is read, and why in this order (DESIGN.md, the llama-server facts; all on the pinned
+build):
+
+1. `/health`, `/props` and `/metrics` at once. `/health` alone says up or down. `/props` says
+   `is_sleeping` and, in router mode, `role: "router"`. Both `/props` and `/metrics` are safe
+   while the server sleeps (they answer from cache and do not reset its idle timer).
+2. `/slots` only when the server is awake and `/metrics` says requests are processing: every
+   server task but the metrics task resets the idle timer, and `/slots` wakes a sleeper
+   (reloading its model). With nothing processing every slot is idle, which `/props`
+   `total_slots` already says. While a server sleeps its slot series are absent, not 0.
+3. Router mode (`--models-dir`, `--models-preset`): `/models` lists the children with their
+   state; only a `loaded` one is read, with `?model=NAME&autoload=false` (without
+   `autoload=false` a read loads the model; a `sleeping` or `loading` child is not asked at
+   all, since `autoload=false` alone still forwards to it). Its series carry `served_model`.
 
 Sample output (server `alpha`, generating on one of two slots)::
 
     gpufleet_llama_up{server="alpha"} 1.0
-    gpufleet_llama_health{server="alpha",state="ok"} 1.0
+    gpufleet_llama_sleeping{server="alpha"} 0.0
     gpufleet_llama_info{alias="gemma",build="b6100-1a2b3c4",model="Gemma4-31B-QAT-Q4_K_M",
                         role="gpu-dense",server="alpha"} 1.0
-    gpufleet_llama_slots{server="alpha",state="busy"} 1.0
-    gpufleet_llama_decode_calls_total{server="alpha"} 1630.0
-    gpufleet_llama_slot_decoded_tokens{server="alpha",slot="0"} 1634.0
-    gpufleet_llama_slot_predict_limit{server="alpha",slot="0"} +Inf
-    gpufleet_llama_endpoint{endpoint="metrics",server="alpha",state="ok"} 1.0
+    gpufleet_llama_slots{served_model="",server="alpha",state="busy"} 1.0
+    gpufleet_llama_decode_calls_total{served_model="",server="alpha"} 1630.0
+    gpufleet_llama_slot_decoded_tokens{served_model="",server="alpha",slot="0"} 1634.0
+    gpufleet_llama_model_state{served_model="beta",server="router",state="unloaded"} 1.0
 
-Check by hand: `curl -s http://127.0.0.1:31001/health`, `curl -s .../slots | jq`,
-`curl -s .../metrics | grep ^llamacpp:` (with `-H "Authorization: Bearer $(cat KEYFILE)"` when
-the server has an API key).
+`served_model` is empty outside router mode (Prometheus stores an empty label as no label).
+
+Check by hand: `curl -s http://127.0.0.1:31001/health`, `curl -s .../props | jq .is_sleeping`,
+`curl -s .../metrics | grep ^llamacpp:`, `curl -s .../models | jq '.data[].status'`, and
+`curl -s '.../metrics?model=NAME&autoload=false'` (with `-H "Authorization: Bearer $(cat
+KEYFILE)"` when the server has an API key). Do not `curl .../slots` on a sleeping server.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
+from urllib.parse import quote
 
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
 from exporter.collectors import catalogue
 from exporter.collectors.base import CollectorError
 from exporter.roster import Server
-from exporter.sources.http_client import Answer, Outcome, call, read_secret
+from exporter.sources.bounded import Lanes, Pending, Request
+from exporter.sources.http_client import Answer, Outcome, read_secret
 from exporter.sources.llama_api import (
+    MODEL_STATES,
     EndpointState,
     Health,
     ParseError,
     Props,
+    RouterModel,
     Slot,
     endpoint_state,
     health_state,
     parse_metrics,
+    parse_models,
     parse_props,
     parse_slots,
 )
@@ -53,63 +78,91 @@ from exporter.sources.llama_api import (
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+_Fams = dict[str, GaugeMetricFamily | CounterMetricFamily]
 
 ENDPOINTS = ("metrics", "slots", "props")
-# Waiting a little past the calls' own timeout lets a call that times out report TIMEOUT
-# itself rather than be cut off as "still running".
-_MARGIN_SECONDS = 0.05
+# Lanes per server: health, props, metrics, slots, models, and per loaded router model three.
+_LANES_PER_SERVER = 8
 _MAX_WORKERS = 64
+
+# /metrics keys to families, for a server and for each loaded router model.
+_COUNTERS = {
+    "decode_calls": "gpufleet_llama_decode_calls_total",
+    "prompt_tokens": "gpufleet_llama_prompt_tokens_total",
+    "predicted_tokens": "gpufleet_llama_predicted_tokens_total",
+    "prompt_seconds": "gpufleet_llama_prompt_seconds_total",
+    "predicted_seconds": "gpufleet_llama_predicted_seconds_total",
+    "prompt_tokens_cached": "gpufleet_llama_prompt_tokens_cached_total",
+    "spec_drafts": "gpufleet_llama_spec_drafts_total",
+    "spec_draft_tokens": "gpufleet_llama_spec_draft_tokens_total",
+    "spec_accepted_tokens": "gpufleet_llama_spec_accepted_tokens_total",
+}
+_GAUGES = {
+    "requests_processing": "gpufleet_llama_requests_processing",
+    "requests_deferred": "gpufleet_llama_requests_deferred",
+    # llama.cpp types n_tokens_max a counter, but it is a maximum: it never adds up.
+    "tokens_max": "gpufleet_llama_tokens_max",
+}
+_OTHER = (
+    "gpufleet_llama_up",
+    "gpufleet_llama_health",
+    "gpufleet_llama_sleeping",
+    "gpufleet_llama_info",
+    "gpufleet_llama_endpoint",
+    "gpufleet_llama_model_info",
+    "gpufleet_llama_model_state",
+    "gpufleet_llama_model_exit_code",
+    "gpufleet_llama_slots",
+    "gpufleet_llama_context_tokens",
+    "gpufleet_llama_slot_decoded_tokens",
+    "gpufleet_llama_slot_predict_limit",
+    "gpufleet_llama_slot_task_age_seconds",
+)
+
+
+@dataclass
+class _Target:
+    """What one reading is about: the server itself, or one router model (`served_model`)."""
+
+    served_model: str = ""
+    # slot id -> (task id, when the exporter first saw that task in that slot)
+    tasks: dict[int, tuple[int | None, float]] = field(default_factory=dict)
 
 
 @dataclass
 class _ServerState:
-    """What the collector remembers of one server between scrapes."""
+    """What the collector remembers of one server between scrapes (never metric objects)."""
 
     alias: str = ""
     build: str = ""
-    # slot id -> (task id, when the exporter first saw that task in that slot)
-    tasks: dict[int, tuple[int | None, float]] = field(default_factory=dict)
+    router: bool = False
+    targets: dict[str, _Target] = field(default_factory=dict)
     logged: dict[str, str] = field(default_factory=dict)
+
+    def target(self, served_model: str) -> _Target:
+        return self.targets.setdefault(served_model, _Target(served_model))
+
+
+@dataclass
+class _Part:
+    """The reading of one target: its answers (None: not asked, and why)."""
+
+    served_model: str = ""
+    props: Answer | None = None
+    metrics: Answer | None = None
+    slots: Answer | None = None
+    slots_skipped: str = ""  # why /slots was not asked ("" when it was, or the server is down)
 
 
 @dataclass
 class _Read:
-    """One server's answers of one scrape."""
+    """One server's reading of one scrape."""
 
-    health: Health
-    answers: dict[str, Answer]
+    health: Answer
     key_error: str | None = None
-
-
-class _Families:
-    """The families of one scrape, filled server by server."""
-
-    def __init__(self) -> None:
-        _s, _ss = ["server"], ["server", "state"]
-        self.up = catalogue.gauge("gpufleet_llama_up")
-        self.health = catalogue.gauge("gpufleet_llama_health")
-        self.info = catalogue.gauge("gpufleet_llama_info")
-        self.endpoint = catalogue.gauge("gpufleet_llama_endpoint")
-        self.slots = catalogue.gauge("gpufleet_llama_slots")
-        self.context = catalogue.gauge("gpufleet_llama_context_tokens")
-        self.processing = catalogue.gauge("gpufleet_llama_requests_processing")
-        self.deferred = catalogue.gauge("gpufleet_llama_requests_deferred")
-        self.decode = catalogue.counter("gpufleet_llama_decode_calls_total")
-        self.prompt_tokens = catalogue.counter("gpufleet_llama_prompt_tokens_total")
-        self.predicted_tokens = catalogue.counter("gpufleet_llama_predicted_tokens_total")
-        self.prompt_seconds = catalogue.counter("gpufleet_llama_prompt_seconds_total")
-        self.predicted_seconds = catalogue.counter("gpufleet_llama_predicted_seconds_total")
-        self.decoded = catalogue.gauge("gpufleet_llama_slot_decoded_tokens")
-        self.limit = catalogue.gauge("gpufleet_llama_slot_predict_limit")
-        self.age = catalogue.gauge("gpufleet_llama_slot_task_age_seconds")
-
-    def all(self) -> list[Metric]:
-        return [
-            self.up, self.health, self.info, self.endpoint, self.slots, self.context,
-            self.processing, self.deferred, self.decode, self.prompt_tokens,
-            self.predicted_tokens, self.prompt_seconds, self.predicted_seconds,
-            self.decoded, self.limit, self.age,
-        ]  # fmt: skip
+    props: Props | None = None
+    models: Answer | None = None
+    parts: list[_Part] = field(default_factory=list)
 
 
 class LlamaCollector:
@@ -124,110 +177,309 @@ class LlamaCollector:
         *,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._servers = {n: s for n, s in servers.items() if s.engine == "llama"}
+        self._servers = {n: s for n, s in sorted(servers.items()) if s.engine == "llama"}
         self._clock = clock
         self._state = {name: _ServerState() for name in self._servers}
-        workers = min(_MAX_WORKERS, max(1, 4 * len(self._servers)))
-        self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="llama")
+        count = max(1, len(self._servers))
+        self._lanes = Lanes(
+            min(_MAX_WORKERS, _LANES_PER_SERVER * count), name="llama-read", clock=clock
+        )
+        # One driver per server: it waits on its own server's calls only, so a slow server's
+        # wait never delays a neighbour's second round (/slots, router models).
+        self._drivers = concurrent.futures.ThreadPoolExecutor(count, thread_name_prefix="llama")
+        self._lock = threading.Lock()  # one scrape at a time: the memory is per collector
 
     def collect(self) -> Iterator[Metric]:
         """One scrape of every server; raises `CollectorError` after yielding on a config fault."""
         if not self._servers:
             return
-        reads = self._read_all()
-        families = _Families()
-        problems = []
-        for name, server in self._servers.items():
-            read = reads[name]
-            self._export(name, server, read, families)
-            if read.key_error:
-                problems.append(read.key_error)
-        yield from (f for f in families.all() if f.samples)
+        with self._lock:
+            start = self._clock()
+            drivers = {
+                name: self._drivers.submit(self._read, name, server, start)
+                for name, server in self._servers.items()
+            }
+            families = {n: catalogue.scalar(n) for n in (*_COUNTERS.values(), *_GAUGES.values())}
+            families.update({n: catalogue.scalar(n) for n in _OTHER})
+            problems = []
+            for name, server in self._servers.items():
+                # Each driver returns by its server's deadline (every wait in it is bounded).
+                read = drivers[name].result()
+                self._export(name, server, read, families)
+                if read.key_error:
+                    problems.append(read.key_error)
+        yield from (f for f in families.values() if f.samples)
         if problems:
             raise CollectorError("; ".join(problems))
 
-    def _read_all(self) -> dict[str, _Read]:
-        futures: dict[tuple[str, str], concurrent.futures.Future[Answer]] = {}
-        key_errors: dict[str, str] = {}
-        for name, server in self._servers.items():
-            timeout = server.timeout_seconds
-            futures[name, "health"] = self._pool.submit(
-                call, f"{server.url}/health", timeout=timeout
-            )
-            try:
-                key = read_secret(server.api_key_file)
-            except OSError as exc:
-                # Without its key the server refuses the other endpoints: say why, once.
-                key_errors[name] = f"{name}: cannot read api_key_file {server.api_key_file}: {exc}"
-                continue
-            headers = {"Authorization": f"Bearer {key}"} if key else {}
-            for endpoint in ENDPOINTS:
-                futures[name, endpoint] = self._pool.submit(
-                    call, f"{server.url}/{endpoint}", timeout=timeout, headers=headers
-                )
-        longest = max(s.timeout_seconds for s in self._servers.values())
-        concurrent.futures.wait(futures.values(), timeout=longest + _MARGIN_SECONDS)
-        reads = {}
-        for name in self._servers:
-            answers = {}
-            for (server_name, endpoint), future in futures.items():
-                if server_name != name:
-                    continue
-                if future.done():
-                    answers[endpoint] = future.result()
-                else:
-                    # Still waiting past its own timeout (connect and read timed separately):
-                    # for the scrape it is a timeout; the call ends on its own.
-                    answers[endpoint] = Answer(Outcome.TIMEOUT, detail="no answer in time")
-            reads[name] = _Read(
-                health=health_state(answers["health"]),
-                answers=answers,
-                key_error=key_errors.get(name),
-            )
-        return reads
+    # -- reading ----------------------------------------------------------------------------
 
-    def _export(self, name: str, server: Server, read: _Read, f: _Families) -> None:
+    def _read(self, name: str, server: Server, start: float) -> _Read:
+        deadline = start + server.timeout_seconds
         state = self._state[name]
-        up = read.health is Health.OK
-        f.up.add_metric([name], 1.0 if up else 0.0)
-        for health in Health:
-            f.health.add_metric([name, health.value], 1.0 if health is read.health else 0.0)
-        self._log_change(name, state, "health", read.health.value, read.answers["health"].detail)
-        props = slots = None
-        metrics: dict[str, float] = {}
-        if up:
-            props = self._endpoint(name, read, "props", _whole(parse_props), f)
-            slots = self._endpoint(name, read, "slots", _whole(parse_slots), f)
-            metrics = self._endpoint(name, read, "metrics", _metrics, f) or {}
+        lanes = self._lanes
+
+        def ask(lane: str, path: str, headers: tuple[tuple[str, str], ...]) -> Pending:
+            remaining = max(0.01, deadline - self._clock())
+            request = Request(f"{server.url}{path}", remaining, headers=headers)
+            return lanes.start((name, lane), request)
+
+        health = ask("health", "/health", ())  # never needs the key
+        try:
+            key = read_secret(server.api_key_file)
+        except OSError as exc:
+            # Without its key the server refuses the other endpoints: say why, once.
+            lanes.wait([health])
+            error = f"{name}: cannot read api_key_file {server.api_key_file}: {exc}"
+            return _Read(health.answer(), key_error=error, parts=[_Part()])
+        headers = (("Authorization", f"Bearer {key}"),) if key else ()
+        first = {"props": ask("props", "/props", headers)}
+        if state.router:
+            first["models"] = ask("models", "/models", headers)
+        else:
+            first["metrics"] = ask("metrics", "/metrics", headers)
+        lanes.wait([health, *first.values()])
+        read = _Read(health.answer())
+        props_answer = first["props"].answer()
+        read.props = _parse_or_none(props_answer, parse_props)
+        if read.props is not None:
+            state.router = read.props.router
+        if health_state(read.health) is not Health.OK:
+            read.parts = [_Part(props=props_answer)]
+            return read
+        if read.props is not None and read.props.router:
+            read.models = first["models"].answer() if "models" in first else None
+            if read.models is None:  # first sight of a router: ask its list now
+                pending = ask("models", "/models", headers)
+                lanes.wait([pending])
+                read.models = pending.answer()
+            read.parts = self._read_router(read.models, ask, headers, lanes)
+            return read
+        part = _Part(props=props_answer, metrics=first["metrics"].answer())
+        read.parts = [part]
+        self._read_slots([part], read.props, ask=ask, headers=headers, lanes=lanes, query="")
+        return read
+
+    def _read_router(
+        self,
+        models: Answer,
+        ask: Callable[[str, str, tuple[tuple[str, str], ...]], Pending],
+        headers: tuple[tuple[str, str], ...],
+        lanes: Lanes,
+    ) -> list[_Part]:
+        listed = _parse_or_none(models, parse_models) or []
+        parts: list[_Part] = []
+        pending: list[tuple[_Part, Pending, Pending]] = []
+        for model in listed:
+            if model.state != "loaded":
+                continue  # asking a sleeping or loading child would wake or wait on it
+            query = f"?model={quote(model.id, safe='')}&autoload=false"
+            part = _Part(served_model=model.id)
+            props = ask(f"props/{model.id}", f"/props{query}", headers)
+            metrics = ask(f"metrics/{model.id}", f"/metrics{query}", headers)
+            pending.append((part, props, metrics))
+            parts.append(part)
+        lanes.wait([p for _, *both in pending for p in both])
+        for part, props, metrics in pending:
+            part.props, part.metrics = props.answer(), metrics.answer()
+        for part in parts:
+            query = f"?model={quote(part.served_model, safe='')}&autoload=false"
+            child = _parse_or_none(part.props, parse_props)
+            self._read_slots([part], child, ask=ask, headers=headers, lanes=lanes, query=query)
+        return parts
+
+    @staticmethod
+    def _read_slots(
+        parts: list[_Part],
+        props: Props | None,
+        *,
+        ask: Callable[[str, str, tuple[tuple[str, str], ...]], Pending],
+        headers: tuple[tuple[str, str], ...],
+        lanes: Lanes,
+        query: str,
+    ) -> None:
+        """Ask `/slots` only of an awake server that is processing requests (see docstring)."""
+        part = parts[0]
+        if props is None or props.is_sleeping is not False:
+            # Unknown counts as possibly asleep: a wrong guess must not wake the server.
+            part.slots_skipped = "sleeping" if props and props.is_sleeping else "unknown"
+            return
+        values = _parse_or_none(part.metrics, lambda b: parse_metrics(b)[0]) or {}
+        processing = values.get("requests_processing")
+        if processing is None:
+            part.slots_skipped = "unknown"
+            return
+        if processing <= 0:
+            part.slots_skipped = "idle"
+            return
+        lane = f"slots/{part.served_model}" if part.served_model else "slots"
+        pending = ask(lane, f"/slots{query}", headers)
+        lanes.wait([pending])
+        part.slots = pending.answer()
+
+    # -- exporting --------------------------------------------------------------------------
+
+    def _export(self, name: str, server: Server, read: _Read, f: _Fams) -> None:
+        state = self._state[name]
+        health = health_state(read.health)
+        up = health is Health.OK
+        f["gpufleet_llama_up"].add_metric([name], 1.0 if up else 0.0)
+        for h in Health:
+            f["gpufleet_llama_health"].add_metric([name, h.value], 1.0 if h is health else 0.0)
+        self._log_change(name, "health", health.value, read.health.detail)
+        props = read.props
         if props is not None:
             state.alias, state.build = props.alias, props.build
+            if props.is_sleeping is not None and not props.router:
+                f["gpufleet_llama_sleeping"].add_metric([name], 1.0 if props.is_sleeping else 0)
         # Identity even while down: the role and model say what is missing.
-        f.info.add_metric([name, server.role, server.model, state.alias, state.build], 1.0)
+        f["gpufleet_llama_info"].add_metric(
+            [name, server.role, server.model, state.alias, state.build], 1.0
+        )
         if not up:
-            state.tasks.clear()  # a restarted server starts its task ids again
+            state.targets.clear()  # a restarted server starts its task ids again
             return
-        self._export_slots(name, state, props, slots, f)
-        for key, family in (
-            ("requests_processing", f.processing),
-            ("requests_deferred", f.deferred),
-            ("decode_calls", f.decode),
-            ("prompt_tokens", f.prompt_tokens),
-            ("predicted_tokens", f.predicted_tokens),
-            ("prompt_seconds", f.prompt_seconds),
-            ("predicted_seconds", f.predicted_seconds),
-        ):
-            if key in metrics:
-                family.add_metric([name], metrics[key])
+        if props is not None and props.router:
+            self._export_router(name, read, f)
+        seen = set()
+        states: dict[str, list[EndpointState]] = {}
+        for part in read.parts:
+            seen.add(part.served_model)
+            target = state.target(part.served_model)
+            self._export_part(name, target, part=part, f=f, read=read, states=states)
+        for gone in set(state.targets) - seen:
+            del state.targets[gone]
+        # An endpoint not asked this scrape (/slots of an idle or sleeping server) is absent.
+        for endpoint, found in states.items():
+            worst = next(s for s in _SEVERITY if s in found)
+            for s in EndpointState:
+                f["gpufleet_llama_endpoint"].add_metric(
+                    [name, endpoint, s.value], 1.0 if s is worst else 0.0
+                )
+
+    def _export_router(self, name: str, read: _Read, f: _Fams) -> None:
+        models: list[RouterModel] | None = None
+        current, detail = EndpointState.ERROR, read.key_error or ""
+        if read.models is not None:
+            current, detail = endpoint_state(read.models), read.models.detail
+            if current is EndpointState.OK:
+                try:
+                    models = parse_models(read.models.body)
+                except ParseError as exc:
+                    current, detail = EndpointState.ERROR, str(exc)
+        for s in EndpointState:
+            f["gpufleet_llama_endpoint"].add_metric(
+                [name, "models", s.value], 1.0 if s is current else 0.0
+            )
+        self._log_change(name, "models", current.value, detail)
+        for model in models or ():
+            f["gpufleet_llama_model_info"].add_metric([name, model.id], 1.0)
+            for value in MODEL_STATES:
+                f["gpufleet_llama_model_state"].add_metric(
+                    [name, model.id, value], 1.0 if value == model.state else 0.0
+                )
+            if model.exit_code is not None:
+                f["gpufleet_llama_model_exit_code"].add_metric([name, model.id], model.exit_code)
+
+    def _export_part(
+        self,
+        name: str,
+        target: _Target,
+        *,
+        part: _Part,
+        f: _Fams,
+        read: _Read,
+        states: dict[str, list[EndpointState]],
+    ) -> None:
+        model = part.served_model
+        # A router's own /props is the router's; only its children have slots and context.
+        props: Props | None = None
+        if not (read.props is not None and read.props.router) or model:
+            props = self._endpoint(
+                name,
+                model,
+                endpoint="props",
+                answer=part.props,
+                parse=_whole(parse_props),
+                states=states,
+                read=read,
+            )
+        metrics: dict[str, float] | None = None
+        if part.metrics is not None or not model:
+            metrics = self._endpoint(
+                name,
+                model,
+                endpoint="metrics",
+                answer=part.metrics,
+                parse=_metrics,
+                states=states,
+                read=read,
+            )
+        slots = None
+        if part.slots is not None:
+            slots = self._endpoint(
+                name,
+                model,
+                endpoint="slots",
+                answer=part.slots,
+                parse=_whole(parse_slots),
+                states=states,
+                read=read,
+            )
+        if props is not None and props.n_ctx_per_slot is not None:
+            f["gpufleet_llama_context_tokens"].add_metric([name, model], props.n_ctx_per_slot)
+        for key, family in (*_COUNTERS.items(), *_GAUGES.items()):
+            if metrics and key in metrics:
+                f[family].add_metric([name, model], metrics[key])
+        self._export_slots(name, target, props=props, part=part, slots=slots, f=f)
+
+    def _export_slots(
+        self,
+        name: str,
+        target: _Target,
+        *,
+        props: Props | None,
+        part: _Part,
+        slots: list[Slot] | None,
+        f: _Fams,
+    ) -> None:
+        model = part.served_model
+        if slots is None:
+            if part.slots_skipped == "idle" and props is not None and props.total_slots:
+                # Nothing processing (from /metrics): every slot is idle, no /slots needed.
+                f["gpufleet_llama_slots"].add_metric([name, model, "busy"], 0.0)
+                f["gpufleet_llama_slots"].add_metric([name, model, "idle"], props.total_slots)
+                target.tasks.clear()
+            # Otherwise unknown (asleep, busy, disabled): absent, and the task memory is kept.
+            return
+        busy = [s for s in slots if s.busy]
+        f["gpufleet_llama_slots"].add_metric([name, model, "busy"], len(busy))
+        f["gpufleet_llama_slots"].add_metric([name, model, "idle"], len(slots) - len(busy))
+        now = self._clock()
+        seen: dict[int, tuple[int | None, float]] = {}
+        for slot in busy:
+            label = [name, model, str(slot.id)]
+            known = target.tasks.get(slot.id)
+            first_seen = known[1] if known is not None and known[0] == slot.task_id else now
+            seen[slot.id] = (slot.task_id, first_seen)
+            f["gpufleet_llama_slot_task_age_seconds"].add_metric(label, now - first_seen)
+            if slot.decoded is not None:
+                f["gpufleet_llama_slot_decoded_tokens"].add_metric(label, slot.decoded)
+            if slot.predict_limit is not None:
+                f["gpufleet_llama_slot_predict_limit"].add_metric(label, slot.predict_limit)
+        target.tasks = seen
 
     def _endpoint(
         self,
         name: str,
-        read: _Read,
+        model: str,
+        *,
         endpoint: str,
+        answer: Answer | None,
         parse: Callable[[bytes], tuple[T, str | None]],
-        f: _Families,
+        states: dict[str, list[EndpointState]],
+        read: _Read,
     ) -> T | None:
-        answer = read.answers.get(endpoint)
         result: T | None = None
         if answer is None:  # not asked: the API key could not be read
             current, detail = EndpointState.ERROR, read.key_error or ""
@@ -243,57 +495,26 @@ class LlamaCollector:
                         current, detail = EndpointState.ERROR, problem
             elif answer.outcome is Outcome.ANSWERED:
                 detail = f"HTTP {answer.status}"
-        for s in EndpointState:
-            f.endpoint.add_metric([name, endpoint, s.value], 1.0 if s is current else 0.0)
-        self._log_change(name, self._state[name], endpoint, current.value, detail)
+        states.setdefault(endpoint, []).append(current)
+        what = f"{endpoint} of {model}" if model else endpoint
+        self._log_change(name, what, current.value, detail)
         return result
 
-    def _export_slots(
-        self,
-        name: str,
-        state: _ServerState,
-        props: Props | None,
-        slots: list[Slot] | None,
-        f: _Families,
-    ) -> None:
-        n_ctx = props.n_ctx_per_slot if props is not None else None
-        if n_ctx is None and slots:
-            n_ctx = slots[0].n_ctx
-        if n_ctx is not None:
-            f.context.add_metric([name], n_ctx)
-        if slots is None:
-            return  # unknown (busy, disabled): keep the task memory for the next scrape
-        busy = [s for s in slots if s.busy]
-        f.slots.add_metric([name, "busy"], len(busy))
-        f.slots.add_metric([name, "idle"], len(slots) - len(busy))
-        now = self._clock()
-        seen: dict[int, tuple[int | None, float]] = {}
-        for slot in busy:
-            label = [name, str(slot.id)]
-            known = state.tasks.get(slot.id)
-            first_seen = known[1] if known is not None and known[0] == slot.task_id else now
-            seen[slot.id] = (slot.task_id, first_seen)
-            f.age.add_metric(label, now - first_seen)
-            if slot.decoded is not None:
-                f.decoded.add_metric(label, slot.decoded)
-            if slot.predict_limit is not None:
-                f.limit.add_metric(label, slot.predict_limit)
-        state.tasks = seen
-
-    @staticmethod
-    def _log_change(name: str, state: _ServerState, what: str, value: str, detail: str) -> None:
+    def _log_change(self, name: str, what: str, value: str, detail: str) -> None:
         # One line when something changes state, not one per scrape.
-        previous = state.logged.get(what)
+        logged = self._state[name].logged
+        previous = logged.get(what)
         if previous == value:
             return
-        state.logged[what] = value
+        logged[what] = value
         if previous is None and value in ("ok", Health.OK.value):
             return
         log.info("server %s: %s %s -> %s %s", name, what, previous or "(start)", value, detail)
 
     def close(self) -> None:
-        """Stop the thread pool (calls in flight end on their own timeouts)."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Stop the threads (calls in flight end at their own deadline)."""
+        self._drivers.shutdown(wait=False, cancel_futures=True)
+        self._lanes.close()
 
 
 def _whole(parse: Callable[[bytes], T]) -> Callable[[bytes], tuple[T, str | None]]:
@@ -313,3 +534,17 @@ def _metrics(body: bytes) -> tuple[dict[str, float], str | None]:
     """
     values, missing = parse_metrics(body)
     return values, ("missing " + ", ".join(missing)) if missing else None
+
+
+# Worst first: a router's endpoint series sums up its loaded models' (one series per server).
+_SEVERITY = (EndpointState.ERROR, EndpointState.BUSY, EndpointState.DISABLED, EndpointState.OK)
+
+
+def _parse_or_none(answer: Answer | None, parse: Callable[[bytes], T]) -> T | None:
+    """The parsed 200 answer, or None (not asked, not 200, or not the shape we know)."""
+    if answer is None or not answer.ok:
+        return None
+    try:
+        return parse(answer.body)
+    except ParseError:
+        return None

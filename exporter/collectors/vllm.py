@@ -18,11 +18,11 @@ Check a server by hand: `curl -s -o /dev/null -w '%{http_code}' http://HOST:PORT
 
 How it reads:
 
-- Every server, and both endpoints of each, are read at once on the collector's own thread
-  pool, each call with the server's `timeout_seconds`. The scrape waits for them until one
-  deadline: the largest timeout plus a small margin. A call still running then (a server that
-  trickles its answer never trips a socket timeout) counts as a timeout, and while it keeps
-  running no new call to that endpoint is queued behind it.
+- Every server, and both endpoints of each, are read at once through
+  `exporter.sources.bounded` (the llama collector's and the canary's way too): each call is
+  bounded as a whole by the server's `timeout_seconds` (a server that trickles its answer is
+  cut at that deadline), `/health` and `/metrics` are lanes of their own, and a lane whose
+  call is still in flight is reported busy at once instead of queueing a second call.
 - `gpufleet_vllm_up` is `/health` alone (200 = up; vLLM answers 503 once its engine died).
   A server that is down, refuses or times out is what `up 0` reports, not a collector failure.
 - `/metrics` is parsed with prometheus_client's own parser and looked up by sample name, so the
@@ -50,7 +50,6 @@ How it reads:
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import math
 import threading
@@ -67,15 +66,15 @@ from prometheus_client.samples import Sample
 from exporter.collectors import catalogue
 from exporter.collectors.base import CollectorError
 from exporter.roster import Server
-from exporter.sources.http_client import Answer, Outcome, call, read_secret
+from exporter.sources.bounded import MARGIN_SECONDS, Lanes, Pending, Request
+from exporter.sources.http_client import Answer, Outcome, read_secret
 
 log = logging.getLogger(__name__)
 
 ENGINE = "vllm"
 ENDPOINT_STATES = ("ok", "busy", "disabled", "error")
-# Past the calls' own timeout, so that a call which times out reports TIMEOUT itself (with its
-# detail) before the deadline cuts it off as "still running".
-DEFAULT_MARGIN_SECONDS = 0.5
+# Past the calls' own deadline, so that a call which times out reports it itself.
+DEFAULT_MARGIN_SECONDS = MARGIN_SECONDS
 
 # vLLM's sample names (the text format's, with the counters' `_total`), from
 # vllm/v1/metrics/loggers.py PrometheusStatLogger.
@@ -208,7 +207,6 @@ class VllmCollector:
         servers: Mapping[str, Server],
         *,
         clock: Callable[[], float] = time.monotonic,
-        margin_seconds: float = DEFAULT_MARGIN_SECONDS,
     ) -> None:
         # The roster's servers of other engines (llama) belong to other collectors.
         self._servers = {
@@ -216,14 +214,12 @@ class VllmCollector:
         }
         self._clock = clock
         self._budget = (
-            max((s.timeout_seconds for s in self._servers.values()), default=0.0) + margin_seconds
+            max((s.timeout_seconds for s in self._servers.values()), default=0.0)
+            + DEFAULT_MARGIN_SECONDS
         )
-        # Two workers per server: with at most one call in flight per endpoint (see _submit),
-        # a call never waits for a free worker, so its timeout is the only wait it has.
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=max(1, 2 * len(self._servers)), thread_name_prefix="vllm-read"
-        )
-        self._inflight: dict[tuple[str, str], concurrent.futures.Future[object]] = {}
+        # Two lanes per server (/health, /metrics), each with one call in flight at most: a call
+        # never waits for a free worker, so its deadline is the only wait it has.
+        self._lanes = Lanes(2 * len(self._servers), name="vllm-read", clock=clock)
         self._memory = {name: _Memory() for name in self._servers}
         # One scrape at a time: the in-flight calls and the memory are per collector.
         self._lock = threading.Lock()
@@ -242,83 +238,64 @@ class VllmCollector:
             raise CollectorError("; ".join(failures))
 
     def close(self) -> None:
-        """Stop the worker threads; a call still stuck in a socket ends with its own timeout."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Stop the worker threads; a call still in flight ends at its own deadline."""
+        self._lanes.close()
 
     def _scrape(self) -> tuple[list[Metric], list[str]]:
-        deadline = self._clock() + self._budget
-        health: dict[str, concurrent.futures.Future[object] | None] = {}
-        metrics: dict[str, concurrent.futures.Future[object] | None] = {}
-        for name, server in self._servers.items():
-            health[name] = self._submit(name, "health", _read_health, server)
-            metrics[name] = self._submit(name, "metrics", _read_metrics, server)
-        submitted = [f for f in (*health.values(), *metrics.values()) if f is not None]
-        concurrent.futures.wait(submitted, timeout=max(0.0, deadline - self._clock()))
-
-        families = _Families()
         failures: list[str] = []
+        health: dict[str, Pending] = {}
+        metrics: dict[str, Pending | _MetricsRead] = {}
         for name, server in self._servers.items():
-            self._export(
-                name,
-                server,
-                health_future=health[name],
-                metrics_future=metrics[name],
-                f=families,
-                failures=failures,
+            # vLLM answers /health without a key (its --api-key guards /v1/* only).
+            health[name] = self._lanes.start(
+                (name, "health"), Request(f"{server.url}/health", server.timeout_seconds)
             )
+            metrics[name] = self._start_metrics(name, server, failures)
+        self._lanes.wait(
+            [*health.values(), *(m for m in metrics.values() if isinstance(m, Pending))]
+        )
+        families = _Families()
+        for name, server in self._servers.items():
+            pending = metrics[name]
+            read = _metrics_read(pending.answer()) if isinstance(pending, Pending) else pending
+            self._export(name, server, health=health[name].answer(), read=read, f=families)
+            if read.key_problem:
+                failures.append(f"server {name}: {read.key_problem}")
         return families.nonempty(), failures
 
-    def _submit(
-        self,
-        name: str,
-        endpoint: str,
-        read: Callable[[Server], object],
-        server: Server,
-    ) -> concurrent.futures.Future[object] | None:
-        """Start a read, or None while the previous read of that endpoint is still running."""
-        key = (name, endpoint)
-        previous = self._inflight.get(key)
-        if previous is not None and not previous.done():
-            # Queueing behind a stuck call would only add threads to a server that is not
-            # answering; this scrape counts the endpoint as timed out instead.
-            return None
-        future = self._pool.submit(read, server)
-        self._inflight[key] = future
-        return future
+    def _start_metrics(
+        self, name: str, server: Server, failures: list[str]
+    ) -> Pending | _MetricsRead:
+        """Start the /metrics call, or the reason it cannot be made (the key file)."""
+        headers: tuple[tuple[str, str], ...] = ()
+        if server.api_key_file is not None:
+            try:
+                key, problem = _api_key(server.api_key_file)
+            except Exception as exc:
+                # A bug on this side must cost this server's /metrics only, and be said.
+                log.exception("vllm server %s: reading /metrics crashed", name)
+                failures.append(
+                    f"server {name}: reading /metrics crashed: {type(exc).__name__}: {exc}"
+                )
+                return _MetricsRead("error", detail="read crashed")
+            if problem:
+                # Calling without the key would only earn a 401 and hide the real cause.
+                return _MetricsRead("error", detail=problem, key_problem=problem)
+            headers = (("Authorization", f"Bearer {key}"),)
+        request = Request(f"{server.url}/metrics", server.timeout_seconds, headers=headers)
+        return self._lanes.start((name, "metrics"), request)
 
     def _export(
-        self,
-        name: str,
-        server: Server,
-        *,
-        health_future: concurrent.futures.Future[object] | None,
-        metrics_future: concurrent.futures.Future[object] | None,
-        f: _Families,
-        failures: list[str],
+        self, name: str, server: Server, *, health: Answer, read: _MetricsRead, f: _Families
     ) -> None:
         memory = self._memory[name]
-        health = _outcome(health_future, name, "/health", failures)
-        if isinstance(health, Answer):
-            up: bool | None = health.ok
-            health_detail = "" if health.ok else _describe(health)
-        elif health is None:
-            up, health_detail = False, "still running at the scrape's deadline"
-        else:  # the read crashed (reported in failures): whether the server is up is unknown
-            up, health_detail = None, "read crashed"
-
-        read = _outcome(metrics_future, name, "/metrics", failures)
-        if read is None:
-            read = _MetricsRead("busy", detail="still running at the scrape's deadline")
-        elif not isinstance(read, _MetricsRead):
-            read = _MetricsRead("error", detail="read crashed")
-        self._note_key_problem(name, server, read.key_problem, memory, failures)
-
+        up = health.ok
+        health_detail = "" if up else _describe(health)
+        self._note_key_problem(name, server, read.key_problem, memory)
         served = _served_model(read.samples)
         if served:
             memory.served_model = served
         f.info.add_metric([name, server.role, server.model, memory.served_model], 1.0)
-        if up is None:
-            return
         f.up.add_metric([name], 1.0 if up else 0.0)
         self._log_status(name, memory, f"down ({health_detail})" if not up else read.state, read)
         if not up:
@@ -328,11 +305,8 @@ class VllmCollector:
             f.endpoint.add_metric([name, "metrics", state], 1.0 if read.state == state else 0.0)
         _export_samples(name, memory.monotonic(read.samples), f)
 
-    def _note_key_problem(
-        self, name: str, server: Server, problem: str, memory: _Memory, failures: list[str]
-    ) -> None:
+    def _note_key_problem(self, name: str, server: Server, problem: str, memory: _Memory) -> None:
         if problem:
-            failures.append(f"server {name}: {problem}")
             if problem != memory.key_problem:
                 log.warning("vllm server %s: %s", name, problem)
         elif memory.key_problem:
@@ -353,20 +327,8 @@ class VllmCollector:
         memory.status = status
 
 
-def _read_health(server: Server) -> Answer:
-    # vLLM answers /health without a key (its --api-key guards /v1/* only).
-    return call(f"{server.url}/health", timeout=server.timeout_seconds)
-
-
-def _read_metrics(server: Server) -> _MetricsRead:
-    headers: dict[str, str] = {}
-    if server.api_key_file is not None:
-        key, problem = _api_key(server.api_key_file)
-        if problem:
-            # Calling without the key would only earn a 401 and hide the real cause.
-            return _MetricsRead("error", detail=problem, key_problem=problem)
-        headers["Authorization"] = f"Bearer {key}"
-    answer = call(f"{server.url}/metrics", timeout=server.timeout_seconds, headers=headers)
+def _metrics_read(answer: Answer) -> _MetricsRead:
+    """What a `/metrics` answer says: its endpoint state and vLLM's samples."""
     if answer.outcome is Outcome.TIMEOUT:
         return _MetricsRead("busy", detail=answer.detail)
     if answer.outcome is not Outcome.ANSWERED:
@@ -408,23 +370,6 @@ def _vllm_samples(text: str) -> _Samples:
             if sample.name.startswith("vllm:"):
                 samples.setdefault(sample.name, []).append(sample)
     return samples
-
-
-def _outcome(
-    future: concurrent.futures.Future[object] | None,
-    name: str,
-    path: str,
-    failures: list[str],
-) -> object | None:
-    """The read's result; None while it still runs; the exception when it crashed (a bug)."""
-    if future is None or not future.done():
-        return None
-    error = future.exception(timeout=0)
-    if error is None:
-        return future.result(timeout=0)
-    log.error("vllm server %s: reading %s crashed", name, path, exc_info=error)
-    failures.append(f"server {name}: reading {path} crashed: {type(error).__name__}: {error}")
-    return error
 
 
 def _describe(answer: Answer) -> str:

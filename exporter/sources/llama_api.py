@@ -8,7 +8,12 @@ The meanings come from DESIGN.md's llama-server facts (checked on the pinned bui
   `--no-slots`).
 - With `--api-key`, `/metrics`, `/slots` and `/props` need the key; `/health` never does.
 - `tokens_predicted_total` moves only when a request finishes; progress while generating is
-  `n_decode_total` and `/slots` `next_token[0].n_decoded`.
+  `n_decode_total` and `/slots` `next_token[0].n_decoded`. Counters are printed with 6
+  significant digits (`1.23457e+07`): above 1e8 `n_decode_total` moves in steps of 1000, so
+  exact progress is `n_decoded` alone.
+- Sleeping (`--sleep-idle-seconds`): `/health`, `/props` (`is_sleeping`) and `/metrics` answer
+  from cache; `/slots` wakes the server. Router mode (`--models-dir`): `/props` says
+  `role: "router"`, `/models` lists the children, per-model reads take `?model=NAME`.
 """
 
 from __future__ import annotations
@@ -55,6 +60,20 @@ METRIC_NAMES: Mapping[str, str] = {
     "requests_processing": "llamacpp:requests_processing",
     "requests_deferred": "llamacpp:requests_deferred",
 }
+# Series of newer builds (speculative decoding, prompt cache, longest sequence): exported when
+# present, never reported missing (an older build lacks them without any rename).
+OPTIONAL_METRIC_NAMES: Mapping[str, str] = {
+    "spec_drafts": "llamacpp:spec_decode_num_drafts_total",
+    "spec_draft_tokens": "llamacpp:spec_decode_num_draft_tokens_total",
+    "spec_accepted_tokens": "llamacpp:spec_decode_num_accepted_tokens_total",
+    "prompt_tokens_cached": "llamacpp:prompt_tokens_cached_total",
+    "tokens_max": "llamacpp:n_tokens_max",
+}
+# What `build_info` says when llama.cpp was built without its git metadata (a source package or
+# tarball: cmake's `git describe` fails and common/build-info.cpp gets number 0, commit
+# "unknown"). It names no version, so it is not exported.
+UNKNOWN_BUILD = "b0-unknown"
+MODEL_STATES = ("unloaded", "loading", "loaded", "sleeping", "failed")
 
 
 def health_state(answer: Answer) -> Health:
@@ -98,6 +117,17 @@ class Props:
     total_slots: int | None
     alias: str
     build: str
+    is_sleeping: bool | None = None  # None: this build does not say
+    router: bool = False
+
+
+@dataclass(frozen=True)
+class RouterModel:
+    """One model of a router's `/models`."""
+
+    id: str
+    state: str  # one of MODEL_STATES
+    exit_code: int | None = None
 
 
 @dataclass(frozen=True)
@@ -133,12 +163,42 @@ def parse_props(body: bytes) -> Props:
     n_ctx = _int(settings.get("n_ctx")) if isinstance(settings, dict) else None
     alias = data.get("model_alias")
     build = data.get("build_info")
+    sleeping = data.get("is_sleeping")
+    router = data.get("role") == "router"
     return Props(
-        n_ctx_per_slot=n_ctx,
+        # A router answers n_ctx 0: it has no context of its own (its children do).
+        n_ctx_per_slot=None if router or not n_ctx else n_ctx,
         total_slots=_int(data.get("total_slots")),
-        alias=alias if isinstance(alias, str) else "",
-        build=build if isinstance(build, str) else "",
+        alias="" if router or not isinstance(alias, str) else alias,
+        build=build if isinstance(build, str) and build != UNKNOWN_BUILD else "",
+        is_sleeping=sleeping if isinstance(sleeping, bool) else None,
+        router=router,
     )
+
+
+def parse_models(body: bytes) -> list[RouterModel]:
+    """Parse a router's `GET /models`: each child's `status.value` (and its failed load)."""
+    data = _json(body)
+    entries = data.get("data") if isinstance(data, dict) else None
+    if not isinstance(entries, list):
+        raise ParseError("/models has no data list")
+    models = []
+    for entry in entries:
+        if not isinstance(entry, dict) or not isinstance(entry.get("id"), str):
+            raise ParseError("/models entry without a string id")
+        status = entry.get("status")
+        status = status if isinstance(status, dict) else {}
+        value = status.get("value")
+        # server-models.cpp marks a child whose load failed with `failed: true` and its exit
+        # code beside the value it fell back to (`unloaded`).
+        failed = status.get("failed") is True
+        state = "failed" if failed else value
+        if state not in MODEL_STATES:
+            raise ParseError(f"/models: {entry['id']}: unknown status {value!r}")
+        models.append(
+            RouterModel(entry["id"], state, _int(status.get("exit_code")) if failed else None)
+        )
+    return models
 
 
 def parse_slots(body: bytes) -> list[Slot]:
@@ -180,8 +240,8 @@ def parse_slots(body: bytes) -> list[Slot]:
 def parse_metrics(body: bytes) -> tuple[dict[str, float], list[str]]:
     """Parse `/metrics` with prometheus_client's parser.
 
-    Returns our keys (see `METRIC_NAMES`) to values, and the llamacpp: names that were
-    expected but missing (an upstream rename).
+    Returns our keys (see `METRIC_NAMES`, `OPTIONAL_METRIC_NAMES`) to values, and the llamacpp:
+    names that were expected but missing (an upstream rename).
     """
     try:
         text = body.decode("utf-8")
@@ -192,6 +252,14 @@ def parse_metrics(body: bytes) -> tuple[dict[str, float], list[str]]:
         }
     except (ValueError, UnicodeDecodeError) as exc:
         raise ParseError(f"unparsable exposition: {exc}") from None
-    values = {key: samples[name] for key, name in METRIC_NAMES.items() if name in samples}
+    names = {**METRIC_NAMES, **OPTIONAL_METRIC_NAMES}
+    values = {}
+    for key, name in names.items():
+        # The parser gives a counter's sample `_total` when its family name lacks it
+        # (llama.cpp types `n_tokens_max` a counter): either spelling is the one series.
+        for spelling in (name, f"{name}_total"):
+            if spelling in samples:
+                values[key] = samples[spelling]
+                break
     missing = [name for key, name in METRIC_NAMES.items() if key not in values]
     return values, missing

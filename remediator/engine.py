@@ -27,6 +27,7 @@ import contextlib
 import logging
 import os
 import secrets
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -211,7 +212,9 @@ class Engine:
         self._active_lock = threading.Lock()
         # This process's claim on its replica id (a lease): two live processes must never act
         # as one replica. `instance` tells this process from a predecessor with the same id.
-        self.instance = f"{journal.replica_id}#{os.getpid()}.{secrets.token_hex(4)}"
+        self.instance = (
+            f"{journal.replica_id}#{socket.gethostname()}:{os.getpid()}.{secrets.token_hex(4)}"
+        )
         self._identity_lost = False
 
     # -- life cycle ---------------------------------------------------------------------------
@@ -312,6 +315,7 @@ class Engine:
         if wait_seconds is None:
             wait_seconds = ttl.total_seconds() + self.settings.heartbeat_seconds
         deadline = time.monotonic() + wait_seconds
+        self._release_dead_predecessor()
         while not self.journal.take_lease(self._identity, ttl, owner=self.instance):
             if time.monotonic() >= deadline:
                 raise JournalError(
@@ -319,6 +323,29 @@ class Engine:
                     "(its lease is being renewed): give each replica its own replica_id"
                 )
             self._stop.wait(1.0)
+
+    def _release_dead_predecessor(self) -> None:
+        """A holder that was this machine's process and is gone (a crash) leaves its lease now.
+
+        No need to wait out its TTL (a systemd restart after a crash would otherwise wait):
+        the instance names its host and pid, and a pid that is not running on this host is
+        not a live holder. A holder on another host is waited out as before.
+        """
+        holder = self.journal.lease_holder(self._identity)
+        if holder is None or "#" not in holder:
+            return
+        host, _, rest = holder.split("#", 1)[1].partition(":")
+        pid_text = rest.split(".", 1)[0]
+        if host != socket.gethostname() or not pid_text.isdigit():
+            return
+        try:
+            os.kill(int(pid_text), 0)
+        except ProcessLookupError:
+            log.info("the previous holder of replica id %s (pid %s) is gone: taking over",
+                     self.journal.replica_id, pid_text)  # fmt: skip
+            self.journal.release_lease(self._identity, owner=holder)
+        except PermissionError:
+            return  # a process of another user has that pid: not ours to judge
 
     @property
     def _identity(self) -> str:

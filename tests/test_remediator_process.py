@@ -375,3 +375,29 @@ def test_a_lost_replicas_run_is_taken_over_and_it_acts_no_more(tmp_path: Path, h
                 replica.stop()
             model.close()
             proxy.close()
+
+
+def test_two_live_processes_cannot_share_one_replica_id(tmp_path: Path) -> None:
+    port = free_port()
+    setup = write_setup(tmp_path, servers={"alpha": "http://127.0.0.1:9"},
+                        listen=f"127.0.0.1:{port}")  # fmt: skip
+    first = Replica(setup, port, tmp_path / "first.log").start()
+    try:
+        other = free_port()
+        config = tmp_path / "second.yaml"
+        config.write_text(setup.config.read_text().replace(f"127.0.0.1:{port}",
+                                                           f"127.0.0.1:{other}"))  # fmt: skip
+        started = time.monotonic()
+        argv = [REMEDIATOR, "serve", "--config", str(config)]
+        second = subprocess.run(argv, capture_output=True, text=True, timeout=90, check=False)
+        assert second.returncode == 1, second.stderr
+        assert "is held by another live process" in second.stderr
+        assert time.monotonic() - started >= 15  # it waited out a lease a live process renews
+        assert first._healthy()
+        # After a crash the same replica id is taken again at once: its holder's pid is gone.
+        first.kill()
+        restarted = time.monotonic()
+        first.start()
+        assert time.monotonic() - restarted < 10
+    finally:
+        first.stop()

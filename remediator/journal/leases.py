@@ -69,6 +69,12 @@ class Leases(Database):
 
         return self._tx("take a lease", body)
 
+    def lease_holder(self, name: str) -> str | None:
+        """Who holds the lease `name` now (expired or not); None when nobody does."""
+        query = sa.select(locks.c.owner).where(locks.c.target == f"lease/{name}")
+        found = self._tx("read a lease", lambda conn: conn.execute(query).scalar(), write=False)
+        return None if found is None else str(found)
+
     def release_lease(self, name: str, *, owner: str | None = None) -> None:
         """Give the lease `name` up if this replica (or `owner`) holds it (a no-op otherwise)."""
         holder = owner if owner is not None else self.replica_id

@@ -1,0 +1,255 @@
+"""The lab: the whole loop from a fault to its report, with real parts, on 127.0.0.0/8.
+
+A lab host runs a real `llama-server` (the tiny model) under the systemctl stand-in, and the
+real exporter (in-process) reads it; a real Prometheus scrapes it every second and evaluates
+the repository's `rules/` rewritten for lab time (`lab_rules`); the real Alertmanager, with
+`examples/alertmanager.yml`'s routes, sends to a real `gpu-fleet-remediator serve`, which
+acts on the host through `gpu-fleet-node` (the local executor) and reports to the Zulip
+stand-in. Scenarios inject a fault and assert on outcomes — the journal, the processes,
+Prometheus' `ALERTS`, the report's text — never on wall-clock times.
+
+**Lab time**: a minute of production is a second here. Every `for:` of the rules and every
+range selector (`[5m]` → `[5s]`) is divided by 60 (at least 1 s), so an alert that needs its
+condition for 1 minute needs it for 1 s; offsets and `[7d]` baselines are left as they are
+(they find no history in a fresh lab, as the rules expect of a new server). Alertmanager's
+`group_wait` and `group_interval` are 1 s.
+
+    with Lab(tmp_path, llama_binary, tiny_model, monkeypatch) as lab:
+        lab.freeze()                         # SIGSTOP the server
+        lab.wait_firing("LlamaServerDown")
+        run = lab.wait_run_done()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import pytest
+
+from exporter.http import MetricsServer
+from exporter.registry import ExporterSettings, FleetCollector, build_registry
+from exporter.roster import load_roster
+from tests.llama_lab import free_port, http_get, wait_until
+from tests.prometheus_lab import PrometheusServer
+from tests.remediator_lab import drop_test_playbooks, write_setup
+from tests.systemctl_stand_in import SystemctlStandIn
+from tests.test_remediator_process import Replica
+from tests.test_wiring import ALERTMANAGER_EXAMPLE, INSTALLED_TOKEN, Alertmanager, rewrite
+from tests.zulip_stand_in import ZulipStandIn
+
+REPO = Path(__file__).resolve().parent.parent
+UNIT = "llama-server@alpha.service"
+NODE = REPO / ".venv" / "bin" / "gpu-fleet-node"
+_FOR = re.compile(r"^(\s*for:\s*)(\d+)([smh])\s*$", re.MULTILINE)
+_RANGE = re.compile(r"\[(\d+)([mh])\]")
+_SECONDS = {"s": 1, "m": 60, "h": 3600}
+
+
+def _lab_duration(amount: int, unit: str) -> str:
+    return f"{max(1, amount * _SECONDS[unit] // 60)}s"
+
+
+def lab_rules(directory: Path) -> list[Path]:
+    """The repository's rule files, rewritten for lab time (see the module docstring)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    written = []
+    for path in sorted((REPO / "rules").glob("*.rules.yml")):
+        text = path.read_text()
+        text = _FOR.sub(lambda m: m[1] + _lab_duration(int(m[2]), m[3]), text)
+        text = _RANGE.sub(lambda m: f"[{_lab_duration(int(m[1]), m[2])}]", text)
+        target = directory / path.name
+        target.write_text(text)
+        written.append(target)
+    return written
+
+
+def _get(url: str, token: str | None = None) -> Any:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10) as r:
+        return json.loads(r.read())
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return http_get(url, "/health", timeout=1).status == 200
+    except OSError:
+        return False
+
+
+class Lab:
+    """One lab host (dioscuri, server alpha), Prometheus, Alertmanager, remediator, Zulip."""
+
+    def __init__(
+        self,
+        tmp_path: Path,
+        llama_binary: Path,
+        tiny_model: Path,
+        monkeypatch: pytest.MonkeyPatch,
+    ) -> None:
+        self.tmp = tmp_path
+        self.stand_in = SystemctlStandIn(tmp_path)
+        self.stand_in.activate(monkeypatch)  # the remediator's node finds the stand-in
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.stand_in.declare_service(
+            UNIT,
+            [str(llama_binary), "-m", str(tiny_model), "--host", "127.0.0.1", "--port",
+             str(self.port), "-c", "256", "-np", "1", "-t", "1", "--metrics"],
+            stop_timeout_seconds=5,
+        )  # fmt: skip
+        self.zulip = ZulipStandIn()
+        remediator_port = free_port()
+        zuliprc = self.zulip.write_zuliprc(tmp_path / "zuliprc")
+        self.setup = write_setup(
+            tmp_path,
+            servers={"alpha": self.url},
+            listen=f"127.0.0.1:{remediator_port}",
+            extra=(
+                f"node_command: [{NODE}]\n"
+                f"zulip:\n  zuliprc: {zuliprc}\n  stream: agent-hub\n"
+                "  topics: {gpu: alerts-gpu, inference: alerts-gpu, infra: alerts-infra}\n"
+            ),
+        )
+        drop_test_playbooks(self.setup)  # the built-in playbooks handle the alerts
+        # A timeout well under the 1 s scrape: a frozen server costs its own series only.
+        self.setup.roster.write_text(
+            "hosts:\n  dioscuri:\n    address: 127.0.0.1\n    local: true\n    servers:\n"
+            f"      alpha:\n        engine: llama\n        url: {self.url}\n        unit: {UNIT}\n"
+            "        role: gpu-dense\n        model: tiny\n        timeout_seconds: 0.4\n"
+        )
+        self.replica = Replica(self.setup, remediator_port, tmp_path / "remediator.log")
+        self.exporter: MetricsServer | None = None
+        self.fleet: FleetCollector | None = None
+        self.prometheus: PrometheusServer | None = None
+        self.alertmanager: Alertmanager | None = None
+
+    # -- life cycle ---------------------------------------------------------------------------
+
+    def __enter__(self) -> Lab:
+        try:
+            self._start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, value: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:  # fmt: skip
+        self.close()
+
+    def _start(self) -> None:
+        subprocess.run(["systemctl", "start", UNIT], check=True, timeout=30)
+        wait_until(lambda: _healthy(self.url), 60, interval=0.2, what="llama-server healthy")
+        host = load_roster(self.setup.roster).hosts["dioscuri"]
+        registry, self.fleet = build_registry(
+            ExporterSettings(host=host, sysfs=str(self.tmp / "nosys"))
+        )
+        self.exporter = MetricsServer(registry, "127.0.0.1", 0)
+        self.exporter.start()
+        text = ALERTMANAGER_EXAMPLE.read_text()
+        webhook = f"http://127.0.0.1:{self.replica.port}/webhook/alertmanager"
+        text = rewrite(text, "url: http://127.0.0.1:9095/webhook/alertmanager", f"url: {webhook}")
+        token = self.tmp / "alertmanager.token"
+        token.write_text(self.setup.webhook_token + "\n")
+        text = rewrite(text, f"credentials_file: {INSTALLED_TOKEN}", f"credentials_file: {token}")
+        text = rewrite(text, "group_wait: 30s", "group_wait: 1s")
+        text = rewrite(text, "group_interval: 5m", "group_interval: 1s")
+        (self.tmp / "am").mkdir()
+        self.alertmanager = Alertmanager(self.tmp / "am", text)
+        self.alertmanager.start()
+        targets = [f"127.0.0.1:{self.alertmanager.port}"]
+        alerting = {"alertmanagers": [{"static_configs": [{"targets": targets}]}]}
+        self.prometheus = PrometheusServer(
+            self.tmp / "prom", [f"127.0.0.1:{self.exporter.port}"], labels={"host": "dioscuri"},
+            rule_files=lab_rules(self.tmp / "rules"), extra={"alerting": alerting},
+        ).start()  # fmt: skip
+        self.prometheus.wait_for('gpufleet_llama_up{server="alpha"} == 1', timeout=30)
+        config = self.setup.config.read_text().replace(
+            "prometheus_url: http://127.0.0.1:9", f"prometheus_url: {self.prometheus.url}"
+        )
+        self.setup.config.write_text(config)
+        self.replica.start()
+
+    def close(self) -> None:
+        """Stop everything the lab started, whatever state it is in."""
+        pid = self.stand_in.main_pid(UNIT)
+        if pid:  # a frozen server must be able to stop
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGCONT)
+        self.replica.stop()
+        if self.prometheus is not None:
+            self.prometheus.stop()
+        if self.alertmanager is not None:
+            self.alertmanager.stop()
+        if self.exporter is not None:
+            self.exporter.stop()
+        if self.fleet is not None:
+            self.fleet.close()
+        self.stand_in.stop_all()
+        self.zulip.close()
+
+    # -- faults -------------------------------------------------------------------------------
+
+    def server_pid(self) -> int:
+        """The llama-server's main pid now."""
+        pid = self.stand_in.main_pid(UNIT)
+        assert pid is not None, "the unit has no main process"
+        return pid
+
+    def freeze(self) -> int:
+        """SIGSTOP the server (a hang: /health times out); its pid."""
+        pid = self.server_pid()
+        os.kill(pid, signal.SIGSTOP)
+        return pid
+
+    # -- what happened ------------------------------------------------------------------------
+
+    def alerts(self, name: str, state: str = "firing") -> list[dict[str, Any]]:
+        """Prometheus' ALERTS of that name and state."""
+        assert self.prometheus is not None
+        return self.prometheus.query(f'ALERTS{{alertname="{name}",alertstate="{state}"}}')
+
+    def wait_firing(self, name: str, timeout: float = 60) -> None:
+        """Until Prometheus fires `name`."""
+        wait_until(lambda: bool(self.alerts(name)), timeout, interval=0.2,
+                   what=f"{name} firing in Prometheus")  # fmt: skip
+
+    def runs(self) -> list[dict[str, Any]]:
+        """The remediator's runs, newest first."""
+        return self.replica.runs()
+
+    def wait_run_done(self, timeout: float = 120) -> dict[str, Any]:
+        """The first run, once it is done."""
+        wait_until(lambda: bool(self.runs()) and self.runs()[-1]["state"] == "done", timeout,
+                   interval=0.3, what="the run to end")  # fmt: skip
+        run: dict[str, Any] = self.runs()[-1]
+        return run
+
+    def reports(self) -> list[str]:
+        """What reached Zulip, oldest first."""
+        return [message.content for message in self.zulip.stream_messages()]
+
+    def healthy(self) -> bool:
+        """The server answers /health 200 now."""
+        return _healthy(self.url)
+
+    def wait(self, condition: Any, what: str, timeout: float = 60) -> None:
+        """Until `condition()` holds."""
+        wait_until(condition, timeout, interval=0.3, what=what)
+
+    @staticmethod
+    def sleep(seconds: float) -> None:
+        """Let the lab's clocks move (a scrape, an evaluation)."""
+        time.sleep(seconds)

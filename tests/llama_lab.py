@@ -503,10 +503,11 @@ class LlamaServer:
         api_key: str | None = None,
         prompt: str = "Once upon a time",
         path: str = "/completion",
+        model: str | None = None,
     ) -> Generation:
         """`start_generation` on this server; `stop()` cancels it before signalling."""
         generation = start_generation(
-            self.url, n_predict=n_predict, api_key=api_key, prompt=prompt, path=path
+            self.url, n_predict=n_predict, api_key=api_key, prompt=prompt, path=path, model=model
         )
         self._generations.append(generation)
         return generation
@@ -671,12 +672,14 @@ def start_generation(
     api_key: str | None = None,
     prompt: str = "Once upon a time",
     path: str = "/completion",
+    model: str | None = None,
 ) -> Generation:
     """Send one long completion (`ignore_eos`, `n_predict` tokens) in a background thread.
 
     With `ignore_eos` the random model cannot stop early, so the slot stays busy for
     `n_predict` tokens: the way to observe `requests_processing`, `n_decode_total` and
-    `/slots` `n_decoded` moving while `tokens_predicted_total` does not.
+    `/slots` `n_decoded` moving while `tokens_predicted_total` does not. `model` names the
+    child of a router.
     """
     body: dict[str, Any] = {
         "prompt": prompt,
@@ -687,4 +690,6 @@ def start_generation(
         # KV cache, and prompt counters would depend on request order.
         "cache_prompt": False,
     }
+    if model is not None:
+        body["model"] = model  # a router (--models-dir) routes by it
     return Generation(url, path, body, api_key).start()

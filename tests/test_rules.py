@@ -66,6 +66,23 @@ CATEGORIES = {
     "AlertmanagerNotificationsFailing": "infra",
     "AlertmanagerConfigReloadFailed": "infra",
     "AlertmanagerDown": "infra",
+    # Issue 19: hardware faults, warning tiers, capacity; vLLM and the canary.
+    "GpuXidErrors": "gpu",
+    "GpuEccErrors": "gpu",
+    "GpuRowRemapping": "gpu",
+    "GpuRetiredPagesPending": "gpu",
+    "GpuPcieLinkDegraded": "gpu",
+    "GpuPcieReplays": "gpu",
+    "GpuHardwareSlowdown": "gpu",
+    "GpuFanStopped": "gpu",
+    "GpuTemperatureHigh": "gpu",
+    "ApuTemperatureHigh": "gpu",
+    "GpuGttNearlyFull": "gpu",
+    "HostMemoryNearlyFull": "gpu",
+    "ServerGpuMemoryGrowing": "gpu",
+    "VllmServerDown": "inference",
+    "VllmServerSaturated": "inference",
+    "TokensPerSecondCanaryStale": "inference",
 }
 SEVERITIES = {"warning", "critical"}
 # The dead man's switch is no problem to rate: `none` (the usual convention), and only it.

@@ -93,6 +93,26 @@ PIPELINE_ALERTS = {
     "GpuFleetCollectorFailing",
 }
 ALERT_NAMES |= PIPELINE_ALERTS
+# ...and the hardware faults, warning tiers, capacity, vLLM and the canary: per host, so a dead
+# exporter silences them too (its negative matcher covers them without naming them).
+ALERT_NAMES |= {
+    "GpuXidErrors",
+    "GpuEccErrors",
+    "GpuRowRemapping",
+    "GpuRetiredPagesPending",
+    "GpuPcieLinkDegraded",
+    "GpuPcieReplays",
+    "GpuHardwareSlowdown",
+    "GpuFanStopped",
+    "GpuTemperatureHigh",
+    "ApuTemperatureHigh",
+    "GpuGttNearlyFull",
+    "HostMemoryNearlyFull",
+    "ServerGpuMemoryGrowing",
+    "VllmServerDown",
+    "VllmServerSaturated",
+    "TokensPerSecondCanaryStale",
+}
 SELF_ALERTS = {
     "GpuFleetExporterDown",
     "GpuFleetRemediatorDown",
@@ -101,8 +121,12 @@ SELF_ALERTS = {
 LLAMA_ALERTS = {name for name in ALERT_NAMES if name.startswith("LlamaServer")}
 GPU_READING_ALERTS = {
     "GpuTemperatureCritical",
+    "GpuTemperatureHigh",
     "GpuThermalThrottling",
+    "GpuHardwareSlowdown",
+    "GpuFanStopped",
     "GpuMemoryNearlyFull",
+    "GpuGttNearlyFull",
     "GpuComputeModeDrift",
 }
 

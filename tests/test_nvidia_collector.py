@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -483,3 +484,93 @@ def test_demo_scenario_two_h200(make: Make) -> None:
         # An H200 has no fan and no page retirement: absent, not 0.
         assert value("gpufleet_gpu_fan_speed_ratio", {"gpu": gpu}) is None
         assert value("gpufleet_gpu_retired_pages", {"gpu": gpu, "cause": "double_bit_ecc"}) is None
+
+
+class CountingNvml(FakeNvml):
+    """The fake, counting the calls whose answers never change; optionally a pre-510 driver.
+
+    A driver older than 510 has no `nvmlDeviceGetMemoryInfo_v2`: pynvml raises
+    FUNCTION_NOT_FOUND for the v2 call, and only v1 answers.
+    """
+
+    def __init__(self, scenario: Path, *, memory_v2: bool = True) -> None:
+        super().__init__(scenario)
+        self.counts: Counter[str] = Counter()
+        self._memory_v2 = memory_v2
+
+    def nvmlDeviceGetName(self, handle: object) -> str:
+        self.counts["nvmlDeviceGetName"] += 1
+        return super().nvmlDeviceGetName(handle)
+
+    def nvmlDeviceGetMaxClockInfo(self, handle: object, type: int) -> int:
+        self.counts["nvmlDeviceGetMaxClockInfo"] += 1
+        return super().nvmlDeviceGetMaxClockInfo(handle, type)
+
+    def nvmlDeviceGetTemperatureThreshold(self, handle: object, threshold: int) -> int:
+        self.counts["nvmlDeviceGetTemperatureThreshold"] += 1
+        return super().nvmlDeviceGetTemperatureThreshold(handle, threshold)
+
+    def nvmlDeviceGetPowerManagementDefaultLimit(self, handle: object) -> int:
+        self.counts["nvmlDeviceGetPowerManagementDefaultLimit"] += 1
+        return super().nvmlDeviceGetPowerManagementDefaultLimit(handle)
+
+    def nvmlDeviceGetPowerManagementLimitConstraints(self, handle: object) -> Sequence[int]:
+        self.counts["nvmlDeviceGetPowerManagementLimitConstraints"] += 1
+        return super().nvmlDeviceGetPowerManagementLimitConstraints(handle)
+
+    def nvmlDeviceGetMemoryInfo(self, handle: object, version: int | None = None) -> Any:
+        self.counts["memory v2" if version else "memory v1"] += 1
+        if version and not self._memory_v2:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+        return super().nvmlDeviceGetMemoryInfo(handle, version)
+
+
+def test_what_never_changes_is_read_once_and_kept(make: Make) -> None:
+    fake = CountingNvml(FIXTURES / "two_gpus.yaml")
+    collector = make(fake)
+    first, _ = scrape(collector)
+    after_first = Counter(fake.counts)
+    for _ in range(3):
+        registry, error = scrape(collector)
+        assert error is None
+    # Per GPU: the identity (3 calls, at enumeration), 3 temperature thresholds, 3 max clocks,
+    # the default power limit and the constraints, once each over four scrapes.
+    assert fake.counts["nvmlDeviceGetName"] == 2
+    for call in (
+        "nvmlDeviceGetMaxClockInfo",
+        "nvmlDeviceGetTemperatureThreshold",
+        "nvmlDeviceGetPowerManagementDefaultLimit",
+        "nvmlDeviceGetPowerManagementLimitConstraints",
+    ):
+        assert fake.counts[call] == after_first[call] > 0, call
+    assert fake.counts["memory v2"] == 4 * 2 and fake.counts["memory v1"] == 0
+    # ... and what was kept is exported every scrape, as it was read.
+    for registry_ in (first, registry):
+        value = registry_.get_sample_value
+        assert value("gpufleet_gpu_clock_max_hertz", {"gpu": "0", "clock": "sm"}) == 1980e6
+        assert value("gpufleet_gpu_power_limit_watts", {"gpu": "1", "kind": "min"}) == 200
+        assert value("gpufleet_gpu_power_limit_watts", {"gpu": "1", "kind": "max"}) == 700
+        labels = {"gpu": "0", "sensor": "memory"}
+        assert value("gpufleet_gpu_temperature_critical_celsius", labels) == 95
+        info = {"gpu": "1", "model": "NVIDIA H200", "pci_bus_id": "0000:c1:00.0"}
+        assert any(
+            s.value == 1 and info.items() <= s.labels.items()
+            for f in registry_.collect()
+            if f.name == "gpufleet_gpu_info"
+            for s in f.samples
+        )
+
+
+def test_a_driver_without_memory_info_v2_is_asked_v1_from_then_on(make: Make) -> None:
+    fake = CountingNvml(FIXTURES / "two_gpus.yaml", memory_v2=False)
+    collector = make(fake)
+    for _ in range(3):
+        registry, _ = scrape(collector)
+    # v2 is tried once per GPU; once v1 has answered, only v1 is asked.
+    assert fake.counts["memory v2"] == 2 and fake.counts["memory v1"] == 3 * 2
+    value = registry.get_sample_value
+    assert value("gpufleet_gpu_up", {"gpu": "0"}) == 1
+    # v1's `used` includes the reservation: no split, so no `reserved` series.
+    used = value("gpufleet_gpu_memory_used_bytes", {"gpu": "0", "pool": "vram"})
+    assert used == 123480309760 + 564133888
+    assert value("gpufleet_gpu_memory_used_bytes", {"gpu": "0", "pool": "reserved"}) is None

@@ -39,6 +39,9 @@ How it copes with a GPU falling off the bus:
   `gpu` indices come from the shared `GpuIndex`, never from NVML.
 - Xid errors arrive as NVML events. The same worker waits for them briefly between scrapes and
   before each scrape, so NVML is only ever used from that one thread.
+- A device is read by a `_DeviceReader`, given what the collector knew of it (`_Known`) and
+  returning what it read and learned (`_Outcome`: samples, static values, whether the GPU is
+  lost, failures to log); the collector alone keeps that, in `_learn`, after each read.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -189,16 +192,113 @@ class _Job:
             return dict(self._readings)
 
 
-class _DeviceRead:
-    """One device's NVML calls within one scrape, each answer sorted by what it means."""
+class _CallTracker:
+    """The NVML call in progress, for a timeout's message; every NVML call goes through it.
 
-    def __init__(self, collector: NvidiaCollector, device: _Device) -> None:
-        self._collector = collector
-        self.device = device
+    Written by the worker thread only; read by `collect()` to name what a deadline hit.
+    """
+
+    def __init__(self) -> None:
+        # (call, bus id, since): what the worker is inside of.
+        self._in_call: tuple[str, str | None, float] | None = None
+
+    def call(self, bus_id: str | None, fn: Callable[..., T], *args: object) -> T:
+        """`fn(*args)`, recorded as in progress until it returns or raises."""
+        self._in_call = (getattr(fn, "__name__", "nvml"), bus_id, time.monotonic())
+        try:
+            return fn(*args)
+        finally:
+            self._in_call = None
+
+    def describe(self) -> str:
+        """The call in progress and for how long, or "(between calls)"."""
+        in_call = self._in_call
+        if in_call is None:
+            return "(between calls)"
+        name, bus_id, since = in_call
+        where = f" on GPU {bus_id}" if bus_id else ""
+        return f"{name}{where} (for {time.monotonic() - since:.1f} s)"
+
+
+@dataclass(frozen=True)
+class _Known:
+    """What the collector knew of a device before a read: the reader's input, never written."""
+
+    bus_id: str
+    handle: object
+    static: Mapping[str, int]
+    memory_v2: bool | None
+    identity_read: bool
+
+
+@dataclass
+class _Outcome:
+    """What one read of a device found: its reading, and what the collector should remember."""
+
+    reading: _Reading
+    learned: dict[str, int] = field(default_factory=dict)  # static values read for the first time
+    memory_v2: bool | None = None  # whether nvmlDeviceGetMemoryInfo_v2 answered; None: not tried
+    identity: tuple[str, str, str] | None = None  # model, uuid, vbios ("" where unknown)
+    lost: bool = False  # GPU_IS_LOST: not to be called again until re-init
+    needs_reinit: bool = False
+    # (call, error, consequence) of each failure, for the collector's log (once per kind).
+    failures: list[tuple[str, BaseException, str]] = field(default_factory=list)
+
+
+class _DeviceReader:
+    """One device's NVML calls within one scrape, each answer sorted by what it means.
+
+    Reads from what the collector knew (`_Known`) and returns an `_Outcome`; it holds no
+    reference to the collector, so whatever a read learns reaches the collector's state only
+    through `NvidiaCollector._learn`, on the worker thread, after the read.
+    """
+
+    def __init__(self, nvml: NvmlBackend, calls: _CallTracker, known: _Known) -> None:
+        self._nvml = nvml
+        self._calls = calls
+        self._known = known
         self.answers = 0
         self.errors = 0
         self.samples: dict[str, list[tuple[tuple[str, ...], float]]] = {}
         self.processes = GpuProcesses()
+        self.learned: dict[str, int] = {}
+        self.memory_v2: bool | None = None
+        self.identity: tuple[str, str, str] | None = None
+        self.lost = False
+        self.needs_reinit = False
+        self.failures: list[tuple[str, BaseException, str]] = []
+
+    def read(self) -> _Outcome:
+        """The identity (while unknown) and every field of the device."""
+        try:
+            if not self._known.identity_read:
+                self._identity()
+            self._fields()
+        except _DeviceDown:
+            return self._outcome(_Reading(up=False))
+        # Every call failing (and not as "not supported") is a GPU that answers nothing.
+        if not (self.answers > 0 or self.errors == 0):
+            return self._outcome(_Reading(up=False))
+        return self._outcome(_Reading(up=True, samples=self.samples, processes=self.processes))
+
+    def read_identity(self) -> _Outcome:
+        """The identity alone (at enumeration); the reading says whether the device answered."""
+        try:
+            self._identity()
+        except _DeviceDown:
+            return self._outcome(_Reading(up=False))
+        return self._outcome(_Reading(up=True))
+
+    def _outcome(self, reading: _Reading) -> _Outcome:
+        return _Outcome(
+            reading=reading,
+            learned=self.learned,
+            memory_v2=self.memory_v2,
+            identity=self.identity,
+            lost=self.lost,
+            needs_reinit=self.needs_reinit,
+            failures=self.failures,
+        )
 
     def add(self, family: str, labels: tuple[str, ...], value: float) -> None:
         self.samples.setdefault(family, []).append((labels, float(value)))
@@ -206,7 +306,7 @@ class _DeviceRead:
     def get(self, fn: Callable[..., T], *args: object) -> T | None:
         """The call's answer, or None when it failed for this field alone."""
         try:
-            value = self._collector._call(self.device.bus_id, fn, *args)
+            value = self._calls.call(self._known.bus_id, fn, *args)
         except pynvml.NVMLError as err:
             self.failed(getattr(fn, "__name__", "nvml"), err)
             return None
@@ -215,8 +315,7 @@ class _DeviceRead:
 
     def field(self, field_id: int) -> float | None:
         """One `NVML_FI_*` value; each field of nvmlDeviceGetFieldValues fails on its own."""
-        nvml = self._collector._nvml
-        values = self.get(nvml.nvmlDeviceGetFieldValues, self.device.handle, [field_id])
+        values = self.get(self._nvml.nvmlDeviceGetFieldValues, self._known.handle, [field_id])
         if not values:
             return None
         try:
@@ -225,33 +324,218 @@ class _DeviceRead:
             self.failed(f"nvmlDeviceGetFieldValues({field_id})", err)
             return None
 
+    def _cached(self, key: str) -> int | None:
+        known = self._known.static.get(key)
+        return known if known is not None else self.learned.get(key)
+
     def static(self, key: str, fn: Callable[..., int], *args: object) -> int | None:
         """A value that never changes for the device: read until it is known, then cached."""
-        cached = self.device.static.get(key)
+        cached = self._cached(key)
         if cached is not None:
             return cached
         value = self.get(fn, *args)
         if value is not None:
-            self.device.static[key] = value
+            self.learned[key] = value
         return value
 
     def failed(self, call: str, err: BaseException) -> None:
         """Sort a failure: raise `_DeviceDown` for the device as a whole, else drop the field."""
-        collector, device = self._collector, self.device
         if is_gpu_lost(err):
-            device.lost = True
-            collector._needs_reinit = True
-            collector._log_once(device.bus_id, call, err, "the GPU reads as down until re-init")
-            raise _DeviceDown(device.bus_id) from err
+            self.lost = self.needs_reinit = True
+            self.failures.append((call, err, "the GPU reads as down until re-init"))
+            raise _DeviceDown(self._known.bus_id) from err
         if needs_reinit(err):
-            collector._needs_reinit = True
-            collector._log_once(device.bus_id, call, err, "NVML needs re-initialisation")
-            raise _DeviceDown(device.bus_id) from err
+            self.needs_reinit = True
+            self.failures.append((call, err, "NVML needs re-initialisation"))
+            raise _DeviceDown(self._known.bus_id) from err
         if not is_not_supported(err):
             # No permission, an unknown error...: the field is unknown, so it is left out; a
-            # device whose every call fails like this reads as down (see `_read_device`).
+            # device whose every call fails like this reads as down (see `read`).
             self.errors += 1
-            collector._log_once(device.bus_id, call, err, "field left out")
+            self.failures.append((call, err, "field left out"))
+
+    def _identity(self) -> None:
+        nvml, handle = self._nvml, self._known.handle
+        model = self.get(nvml.nvmlDeviceGetName, handle)
+        uuid = self.get(nvml.nvmlDeviceGetUUID, handle)
+        vbios = self.get(nvml.nvmlDeviceGetVbiosVersion, handle)
+        self.identity = (model or "", uuid or "", vbios or "")
+
+    def _fields(self) -> None:
+        nvml, h = self._nvml, self._known.handle
+
+        util = self.get(nvml.nvmlDeviceGetUtilizationRates, h)
+        if util is not None:
+            self.add("gpufleet_gpu_utilization_ratio", (), util.gpu / 100)
+            self.add("gpufleet_gpu_memory_utilization_ratio", (), util.memory / 100)
+
+        self._memory()
+
+        temp = self.get(nvml.nvmlDeviceGetTemperature, h, pynvml.NVML_TEMPERATURE_GPU)
+        if temp is not None:
+            self.add("gpufleet_gpu_temperature_celsius", ("gpu",), temp)
+        # HBM temperature has no call of its own, only a field id (nvml.h NVML_FI_DEV_MEMORY_TEMP).
+        mem_temp = self.field(pynvml.NVML_FI_DEV_MEMORY_TEMP)
+        if mem_temp is not None:
+            self.add("gpufleet_gpu_temperature_celsius", ("memory",), mem_temp)
+        for family, sensor, threshold in (
+            ("gpufleet_gpu_temperature_critical_celsius", "gpu",
+             pynvml.NVML_TEMPERATURE_THRESHOLD_SHUTDOWN),
+            ("gpufleet_gpu_temperature_critical_celsius", "memory",
+             pynvml.NVML_TEMPERATURE_THRESHOLD_MEM_MAX),
+            ("gpufleet_gpu_temperature_slowdown_celsius", "gpu",
+             pynvml.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN),
+        ):  # fmt: skip
+            limit = self.static(
+                f"threshold:{threshold}", nvml.nvmlDeviceGetTemperatureThreshold, h, threshold
+            )
+            if limit is not None:
+                self.add(family, (sensor,), limit)
+
+        self._power()
+
+        fan = self.get(nvml.nvmlDeviceGetFanSpeed, h)
+        if fan is not None:
+            # nvml.h: the intended speed, which "may exceed 100% in some cases"; kept as is.
+            self.add("gpufleet_gpu_fan_speed_ratio", (), fan / 100)
+
+        for clock, clock_type in _CLOCKS:
+            current = self.get(nvml.nvmlDeviceGetClockInfo, h, clock_type)
+            if current is not None:
+                self.add("gpufleet_gpu_clock_hertz", (clock,), current * 1e6)
+            top = self.static(
+                f"max_clock:{clock_type}", nvml.nvmlDeviceGetMaxClockInfo, h, clock_type
+            )
+            if top is not None:
+                self.add("gpufleet_gpu_clock_max_hertz", (clock,), top * 1e6)
+
+        reasons = self.get(nvml.nvmlDeviceGetCurrentClocksEventReasons, h)
+        if reasons is not None:
+            for reason, bit in CLOCKS_EVENT_REASONS.items():
+                self.add("gpufleet_gpu_throttle_active", (reason,), 1 if reasons & bit else 0)
+
+        generation = self.get(nvml.nvmlDeviceGetCurrPcieLinkGeneration, h)
+        if generation is not None:
+            self.add("gpufleet_gpu_pcie_link_generation", (), generation)
+        width = self.get(nvml.nvmlDeviceGetCurrPcieLinkWidth, h)
+        if width is not None:
+            self.add("gpufleet_gpu_pcie_link_width", (), width)
+        replays = self.get(nvml.nvmlDeviceGetPcieReplayCounter, h)
+        if replays is not None:
+            self.add("gpufleet_gpu_pcie_replay_errors_total", (), replays)
+
+        self._memory_health()
+
+        self._processes()
+
+        mode = self.get(nvml.nvmlDeviceGetComputeMode, h)
+        if mode is not None:
+            for name, value in COMPUTE_MODES.items():
+                self.add("gpufleet_gpu_compute_mode", (name,), 1 if mode == value else 0)
+
+    def _processes(self) -> None:
+        """Which pids hold how much memory on the GPU, for `gpufleet_server_gpu_memory_bytes`.
+
+        On an MPS host (EXCLUSIVE_PROCESS + nvidia-cuda-mps-control) the compute list holds the
+        MPS server and the clients appear only in the MPS list, so both are read. A list NVML
+        cannot give (NO_PERMISSION, NOT_SUPPORTED, ...) makes the GPU's process list
+        incomplete, and a process listed without `usedGpuMemory` (pynvml's None for
+        NVML_VALUE_NOT_AVAILABLE: MIG, vGPU, WDDM) has an unknown amount: either way the
+        memory collector must not read the gaps as 0. One exception: the MPS list answering
+        NOT_SUPPORTED, which NVML does on every GPU older than Volta ("For Volta or newer
+        fully supported devices", nvml.h), where MPS clients are never listed and only the
+        MPS server shows, in the compute list.
+        """
+        nvml, h = self._nvml, self._known.handle
+        for fn, optional in (
+            (nvml.nvmlDeviceGetComputeRunningProcesses, False),
+            (nvml.nvmlDeviceGetMPSComputeRunningProcesses, True),
+        ):
+            call = getattr(fn, "__name__", "nvml")
+            try:
+                listed = self._calls.call(self._known.bus_id, fn, h)
+            except pynvml.NVMLError as err:
+                self.failed(call, err)  # raises for the device as a whole
+                if not (optional and is_not_supported(err)):
+                    self.processes.incomplete = f"{call}: {err}"
+                continue
+            self.answers += 1
+            for proc in listed or ():
+                used = getattr(proc, "usedGpuMemory", None)
+                pid = getattr(proc, "pid", None)
+                if not isinstance(pid, int):
+                    continue
+                if isinstance(used, int):
+                    self.processes.used[pid] = max(used, self.processes.used.get(pid, 0))
+                else:
+                    self.processes.unknown.add(pid)
+
+    def _memory(self) -> None:
+        nvml, h = self._nvml, self._known.handle
+        if self._known.memory_v2 is not False:
+            # v2 (driver 510+) splits the driver's reservation out of `used`.
+            mem = self.get(nvml.nvmlDeviceGetMemoryInfo, h, pynvml.nvmlMemory_v2)
+            if mem is not None:
+                self.memory_v2 = True
+                self.add("gpufleet_gpu_memory_used_bytes", ("vram",), mem.used)
+                reserved: object = getattr(mem, "reserved", None)
+                if isinstance(reserved, int):
+                    self.add("gpufleet_gpu_memory_used_bytes", ("reserved",), reserved)
+                self.add("gpufleet_gpu_memory_total_bytes", ("vram",), mem.total)
+                return
+        mem = self.get(nvml.nvmlDeviceGetMemoryInfo, h)
+        if mem is not None:
+            self.memory_v2 = False
+            # v1's `used` is "the sum of reserved and allocated" (nvml.h nvmlMemory_t): no split.
+            self.add("gpufleet_gpu_memory_used_bytes", ("vram",), mem.used)
+            self.add("gpufleet_gpu_memory_total_bytes", ("vram",), mem.total)
+
+    def _power(self) -> None:
+        nvml, h = self._nvml, self._known.handle
+        # NVML reports power in milliwatts and energy in millijoules.
+        power = self.get(nvml.nvmlDeviceGetPowerUsage, h)
+        if power is not None:
+            self.add("gpufleet_gpu_power_watts", (), power / 1000)
+        limits: list[tuple[str, int | None]] = [
+            ("current", self.get(nvml.nvmlDeviceGetEnforcedPowerLimit, h)),
+            ("default", self.static("default", nvml.nvmlDeviceGetPowerManagementDefaultLimit, h)),
+        ]
+        if self._cached("power_min") is None:
+            constraints = self.get(nvml.nvmlDeviceGetPowerManagementLimitConstraints, h)
+            if constraints is not None and len(constraints) == 2:
+                self.learned["power_min"], self.learned["power_max"] = constraints
+        limits += [("min", self._cached("power_min")), ("max", self._cached("power_max"))]
+        for kind, milliwatts in limits:
+            if milliwatts is not None:
+                self.add("gpufleet_gpu_power_limit_watts", (kind,), milliwatts / 1000)
+        energy = self.get(nvml.nvmlDeviceGetTotalEnergyConsumption, h)
+        if energy is not None:
+            self.add("gpufleet_gpu_energy_joules_total", (), energy / 1000)
+
+    def _memory_health(self) -> None:
+        nvml, h = self._nvml, self._known.handle
+        for kind, error_type in _ECC_KINDS:
+            # Aggregate: the lifetime count, which survives driver reloads (volatile does not).
+            aggregate = pynvml.NVML_AGGREGATE_ECC
+            count = self.get(nvml.nvmlDeviceGetTotalEccErrors, h, error_type, aggregate)
+            if count is not None:
+                self.add("gpufleet_gpu_ecc_errors_total", (kind,), count)
+        # Page retirement is pre-Ampere; Ampere and newer remap rows instead and answer
+        # NOT_SUPPORTED here (and the other way round on older boards).
+        for cause, source in _RETIREMENT_CAUSES:
+            pages = self.get(nvml.nvmlDeviceGetRetiredPages, h, source)
+            if pages is not None:
+                self.add("gpufleet_gpu_retired_pages", (cause,), len(pages))
+        pending = self.get(nvml.nvmlDeviceGetRetiredPagesPendingStatus, h)
+        if pending is not None:
+            self.add("gpufleet_gpu_retired_pages_pending", (), 1 if pending else 0)
+        rows = self.get(nvml.nvmlDeviceGetRemappedRows, h)
+        if rows is not None:
+            correctable, uncorrectable, rows_pending, rows_failed = rows
+            self.add("gpufleet_gpu_remapped_rows", ("correctable",), correctable)
+            self.add("gpufleet_gpu_remapped_rows", ("uncorrectable",), uncorrectable)
+            self.add("gpufleet_gpu_remapped_rows_pending", (), 1 if rows_pending else 0)
+            self.add("gpufleet_gpu_remapped_rows_failed", (), 1 if rows_failed else 0)
 
 
 class NvidiaCollector:
@@ -301,8 +585,7 @@ class NvidiaCollector:
         self._event_set: object | None = None
         self._bus_by_handle: dict[int, str] = {}
         self._logged: set[tuple[str, str, int | None]] = set()
-        # (call, bus id, since): what the worker is inside of, for the timeout's message.
-        self._in_call: tuple[str, str | None, float] | None = None
+        self._calls = _CallTracker()  # every NVML call, so a timeout can name the one it is in
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._worker = threading.Thread(target=self._work, name="nvml-worker", daemon=True)
         self._worker.start()
@@ -314,7 +597,7 @@ class NvidiaCollector:
                 "NVML initialisation did not finish within %g s (%s); `gpu` indices come from "
                 "PCI sysfs, only an NVIDIA GPU it lacks would be numbered after the others",
                 timeout_seconds,
-                self._describe_call(),
+                self._calls.describe(),
             )
 
     # -- the collector contract ----------------------------------------------------------------
@@ -335,7 +618,9 @@ class NvidiaCollector:
             # others were not read (unknown, so absent).
             with self._lock:
                 stuck = self._busy.current if self._busy is not None else None
-            message = f"NVML worker still stuck in {self._describe_call()}; no new NVML work queued"
+            message = (
+                f"NVML worker still stuck in {self._calls.describe()}; no new NVML work queued"
+            )
             self._processes = {}
             yield from self._families({}, {stuck} if stuck else set())
             raise CollectorError(message)
@@ -343,7 +628,9 @@ class NvidiaCollector:
         timed_out: set[str] = set()
         if not finished:
             job.cancelled.set()  # the worker stops this job when the stuck call returns
-            message = f"NVML call {self._describe_call()} did not return within {self._timeout:g} s"
+            message = (
+                f"NVML call {self._calls.describe()} did not return within {self._timeout:g} s"
+            )
             current = job.current
             if current is not None:
                 timed_out.add(current)
@@ -376,7 +663,7 @@ class NvidiaCollector:
             log.warning(
                 "NVML worker did not stop within %g s (in %s); leaving it behind",
                 self._timeout,
-                self._describe_call(),
+                self._calls.describe(),
             )
 
     # -- families ------------------------------------------------------------------------------
@@ -475,22 +762,6 @@ class NvidiaCollector:
         except Exception:
             log.exception("NVML worker step %s failed", getattr(step, "__name__", step))
 
-    def _call(self, bus_id: str | None, fn: Callable[..., T], *args: object) -> T:
-        """Every NVML call goes through here, so a timeout can name the call it is stuck in."""
-        self._in_call = (getattr(fn, "__name__", "nvml"), bus_id, time.monotonic())
-        try:
-            return fn(*args)
-        finally:
-            self._in_call = None
-
-    def _describe_call(self) -> str:
-        in_call = self._in_call
-        if in_call is None:
-            return "(between calls)"
-        name, bus_id, since = in_call
-        where = f" on GPU {bus_id}" if bus_id else ""
-        return f"{name}{where} (for {time.monotonic() - since:.1f} s)"
-
     def _log_once(self, bus_id: str, call: str, err: BaseException, what: str) -> None:
         # A lost GPU fails the same way every scrape; one line per (GPU, call, error) is enough.
         key = (bus_id, call, error_code(err))
@@ -508,7 +779,7 @@ class NvidiaCollector:
         if self._initialized:
             self._initialized = False
             try:
-                self._call(None, self._nvml.nvmlShutdown)
+                self._calls.call(None, self._nvml.nvmlShutdown)
             except pynvml.NVMLError as err:
                 log.debug("nvmlShutdown failed on close: %s", err)
 
@@ -526,12 +797,12 @@ class NvidiaCollector:
             self._free_event_set()
             self._initialized = False
             try:
-                self._call(None, self._nvml.nvmlShutdown)
+                self._calls.call(None, self._nvml.nvmlShutdown)
             except pynvml.NVMLError as err:
                 # Best effort: NVML may already consider itself shut down.
                 log.debug("nvmlShutdown before re-init failed: %s", err)
         try:
-            self._call(None, self._nvml.nvmlInit)
+            self._calls.call(None, self._nvml.nvmlInit)
         except pynvml.NVMLError as err:
             self._init_error = err
             with self._lock:
@@ -553,15 +824,15 @@ class NvidiaCollector:
     def _enumerate(self) -> None:
         found: dict[str, object] = {}
         try:
-            count = self._call(None, self._nvml.nvmlDeviceGetCount)
+            count = self._calls.call(None, self._nvml.nvmlDeviceGetCount)
         except pynvml.NVMLError as err:
             self._needs_reinit = True
             self._log_once("", "nvmlDeviceGetCount", err, "no NVIDIA GPU can be read")
             count = 0
         for index in range(count):
             try:
-                handle = self._call(None, self._nvml.nvmlDeviceGetHandleByIndex, index)
-                info = self._call(None, self._nvml.nvmlDeviceGetPciInfo, handle)
+                handle = self._calls.call(None, self._nvml.nvmlDeviceGetHandleByIndex, index)
+                info = self._calls.call(None, self._nvml.nvmlDeviceGetPciInfo, handle)
                 bus_id = normalize_pci_bus_id(info.busId)
             except (pynvml.NVMLError, ValueError) as err:
                 # Without its PCI bus id a device cannot get a `gpu` index; it still counts
@@ -584,21 +855,7 @@ class NvidiaCollector:
         self._bus_by_handle = {handle_key(h): bus_id for bus_id, h in found.items()}
         for device in devices:
             if device.handle is not None and not device.identity_read:
-                try:
-                    self._read_identity(_DeviceRead(self, device))
-                except _DeviceDown:
-                    continue
-
-    def _read_identity(self, read: _DeviceRead) -> None:
-        nvml, handle = self._nvml, read.device.handle
-        model = read.get(nvml.nvmlDeviceGetName, handle)
-        uuid = read.get(nvml.nvmlDeviceGetUUID, handle)
-        vbios = read.get(nvml.nvmlDeviceGetVbiosVersion, handle)
-        with self._lock:
-            read.device.model = model or ""
-            read.device.uuid = uuid or ""
-            read.device.vbios = vbios or ""
-            read.device.identity_read = True
+                self._learn(device, self._reader(device).read_identity())
 
     def _register_events(self) -> None:
         with self._lock:
@@ -610,14 +867,14 @@ class NvidiaCollector:
         if not targets:
             return
         try:
-            event_set = self._call(None, self._nvml.nvmlEventSetCreate)
+            event_set = self._calls.call(None, self._nvml.nvmlEventSetCreate)
         except pynvml.NVMLError as err:
             self._log_once("", "nvmlEventSetCreate", err, "Xid errors will not be counted")
             return
         registered = 0
         for bus_id, handle in targets:
             try:
-                self._call(
+                self._calls.call(
                     bus_id,
                     self._nvml.nvmlDeviceRegisterEvents,
                     handle,
@@ -635,7 +892,7 @@ class NvidiaCollector:
             self._event_set = event_set
             return
         try:
-            self._call(None, self._nvml.nvmlEventSetFree, event_set)
+            self._calls.call(None, self._nvml.nvmlEventSetFree, event_set)
         except pynvml.NVMLError as err:
             log.debug("nvmlEventSetFree failed: %s", err)
 
@@ -644,7 +901,7 @@ class NvidiaCollector:
         if event_set is None:
             return
         try:
-            self._call(None, self._nvml.nvmlEventSetFree, event_set)
+            self._calls.call(None, self._nvml.nvmlEventSetFree, event_set)
         except pynvml.NVMLError as err:
             log.debug("nvmlEventSetFree failed: %s", err)
 
@@ -655,7 +912,9 @@ class NvidiaCollector:
             return
         for _ in range(_MAX_EVENTS_PER_DRAIN):
             try:
-                data = self._call(None, self._nvml.nvmlEventSetWait_v2, event_set, _XID_WAIT_MS)
+                data = self._calls.call(
+                    None, self._nvml.nvmlEventSetWait_v2, event_set, _XID_WAIT_MS
+                )
             except pynvml.NVMLError as err:
                 if is_timeout(err):
                     return  # nothing waiting: the normal case
@@ -716,189 +975,32 @@ class NvidiaCollector:
     def _read_device(self, device: _Device) -> _Reading:
         if device.handle is None or device.lost:
             return _Reading(up=False)
-        read = _DeviceRead(self, device)
-        try:
-            if not device.identity_read:
-                self._read_identity(read)
-            self._read_fields(read)
-        except _DeviceDown:
-            return _Reading(up=False)
-        # Every call failing (and not as "not supported") is a GPU that answers nothing.
-        up = read.answers > 0 or read.errors == 0
-        if not up:
-            return _Reading(up=False)
-        return _Reading(up=True, samples=read.samples, processes=read.processes)
+        outcome = self._reader(device).read()
+        self._learn(device, outcome)
+        return outcome.reading
 
-    def _read_fields(self, r: _DeviceRead) -> None:
-        nvml, h = self._nvml, r.device.handle
+    def _reader(self, device: _Device) -> _DeviceReader:
+        known = _Known(
+            bus_id=device.bus_id,
+            handle=device.handle,
+            static=dict(device.static),
+            memory_v2=device.memory_v2,
+            identity_read=device.identity_read,
+        )
+        return _DeviceReader(self._nvml, self._calls, known)
 
-        util = r.get(nvml.nvmlDeviceGetUtilizationRates, h)
-        if util is not None:
-            r.add("gpufleet_gpu_utilization_ratio", (), util.gpu / 100)
-            r.add("gpufleet_gpu_memory_utilization_ratio", (), util.memory / 100)
-
-        self._read_memory(r)
-
-        temp = r.get(nvml.nvmlDeviceGetTemperature, h, pynvml.NVML_TEMPERATURE_GPU)
-        if temp is not None:
-            r.add("gpufleet_gpu_temperature_celsius", ("gpu",), temp)
-        # HBM temperature has no call of its own, only a field id (nvml.h NVML_FI_DEV_MEMORY_TEMP).
-        mem_temp = r.field(pynvml.NVML_FI_DEV_MEMORY_TEMP)
-        if mem_temp is not None:
-            r.add("gpufleet_gpu_temperature_celsius", ("memory",), mem_temp)
-        for family, sensor, threshold in (
-            ("gpufleet_gpu_temperature_critical_celsius", "gpu",
-             pynvml.NVML_TEMPERATURE_THRESHOLD_SHUTDOWN),
-            ("gpufleet_gpu_temperature_critical_celsius", "memory",
-             pynvml.NVML_TEMPERATURE_THRESHOLD_MEM_MAX),
-            ("gpufleet_gpu_temperature_slowdown_celsius", "gpu",
-             pynvml.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN),
-        ):  # fmt: skip
-            limit = r.static(
-                f"threshold:{threshold}", nvml.nvmlDeviceGetTemperatureThreshold, h, threshold
-            )
-            if limit is not None:
-                r.add(family, (sensor,), limit)
-
-        self._read_power(r)
-
-        fan = r.get(nvml.nvmlDeviceGetFanSpeed, h)
-        if fan is not None:
-            # nvml.h: the intended speed, which "may exceed 100% in some cases"; kept as is.
-            r.add("gpufleet_gpu_fan_speed_ratio", (), fan / 100)
-
-        for clock, clock_type in _CLOCKS:
-            current = r.get(nvml.nvmlDeviceGetClockInfo, h, clock_type)
-            if current is not None:
-                r.add("gpufleet_gpu_clock_hertz", (clock,), current * 1e6)
-            top = r.static(f"max_clock:{clock_type}", nvml.nvmlDeviceGetMaxClockInfo, h, clock_type)
-            if top is not None:
-                r.add("gpufleet_gpu_clock_max_hertz", (clock,), top * 1e6)
-
-        reasons = r.get(nvml.nvmlDeviceGetCurrentClocksEventReasons, h)
-        if reasons is not None:
-            for reason, bit in CLOCKS_EVENT_REASONS.items():
-                r.add("gpufleet_gpu_throttle_active", (reason,), 1 if reasons & bit else 0)
-
-        generation = r.get(nvml.nvmlDeviceGetCurrPcieLinkGeneration, h)
-        if generation is not None:
-            r.add("gpufleet_gpu_pcie_link_generation", (), generation)
-        width = r.get(nvml.nvmlDeviceGetCurrPcieLinkWidth, h)
-        if width is not None:
-            r.add("gpufleet_gpu_pcie_link_width", (), width)
-        replays = r.get(nvml.nvmlDeviceGetPcieReplayCounter, h)
-        if replays is not None:
-            r.add("gpufleet_gpu_pcie_replay_errors_total", (), replays)
-
-        self._read_memory_health(r)
-
-        self._read_processes(r)
-
-        mode = r.get(nvml.nvmlDeviceGetComputeMode, h)
-        if mode is not None:
-            for name, value in COMPUTE_MODES.items():
-                r.add("gpufleet_gpu_compute_mode", (name,), 1 if mode == value else 0)
-
-    def _read_processes(self, r: _DeviceRead) -> None:
-        """Which pids hold how much memory on the GPU, for `gpufleet_server_gpu_memory_bytes`.
-
-        On an MPS host (EXCLUSIVE_PROCESS + nvidia-cuda-mps-control) the compute list holds the
-        MPS server and the clients appear only in the MPS list, so both are read. A list NVML
-        cannot give (NO_PERMISSION, NOT_SUPPORTED, ...) makes the GPU's process list
-        incomplete, and a process listed without `usedGpuMemory` (pynvml's None for
-        NVML_VALUE_NOT_AVAILABLE: MIG, vGPU, WDDM) has an unknown amount: either way the
-        memory collector must not read the gaps as 0. One exception: the MPS list answering
-        NOT_SUPPORTED, which NVML does on every GPU older than Volta ("For Volta or newer
-        fully supported devices", nvml.h), where MPS clients are never listed and only the
-        MPS server shows, in the compute list.
-        """
-        nvml, h = self._nvml, r.device.handle
-        for fn, optional in (
-            (nvml.nvmlDeviceGetComputeRunningProcesses, False),
-            (nvml.nvmlDeviceGetMPSComputeRunningProcesses, True),
-        ):
-            call = getattr(fn, "__name__", "nvml")
-            try:
-                listed = self._call(r.device.bus_id, fn, h)
-            except pynvml.NVMLError as err:
-                r.failed(call, err)  # raises for the device as a whole
-                if not (optional and is_not_supported(err)):
-                    r.processes.incomplete = f"{call}: {err}"
-                continue
-            r.answers += 1
-            for proc in listed or ():
-                used = getattr(proc, "usedGpuMemory", None)
-                pid = getattr(proc, "pid", None)
-                if not isinstance(pid, int):
-                    continue
-                if isinstance(used, int):
-                    r.processes.used[pid] = max(used, r.processes.used.get(pid, 0))
-                else:
-                    r.processes.unknown.add(pid)
-
-    def _read_memory(self, r: _DeviceRead) -> None:
-        nvml, h, device = self._nvml, r.device.handle, r.device
-        if device.memory_v2 is not False:
-            # v2 (driver 510+) splits the driver's reservation out of `used`.
-            mem = r.get(nvml.nvmlDeviceGetMemoryInfo, h, pynvml.nvmlMemory_v2)
-            if mem is not None:
-                device.memory_v2 = True
-                r.add("gpufleet_gpu_memory_used_bytes", ("vram",), mem.used)
-                reserved: object = getattr(mem, "reserved", None)
-                if isinstance(reserved, int):
-                    r.add("gpufleet_gpu_memory_used_bytes", ("reserved",), reserved)
-                r.add("gpufleet_gpu_memory_total_bytes", ("vram",), mem.total)
-                return
-        mem = r.get(nvml.nvmlDeviceGetMemoryInfo, h)
-        if mem is not None:
-            device.memory_v2 = False
-            # v1's `used` is "the sum of reserved and allocated" (nvml.h nvmlMemory_t): no split.
-            r.add("gpufleet_gpu_memory_used_bytes", ("vram",), mem.used)
-            r.add("gpufleet_gpu_memory_total_bytes", ("vram",), mem.total)
-
-    def _read_power(self, r: _DeviceRead) -> None:
-        nvml, h, device = self._nvml, r.device.handle, r.device
-        # NVML reports power in milliwatts and energy in millijoules.
-        power = r.get(nvml.nvmlDeviceGetPowerUsage, h)
-        if power is not None:
-            r.add("gpufleet_gpu_power_watts", (), power / 1000)
-        limits: list[tuple[str, int | None]] = [
-            ("current", r.get(nvml.nvmlDeviceGetEnforcedPowerLimit, h)),
-            ("default", r.static("default", nvml.nvmlDeviceGetPowerManagementDefaultLimit, h)),
-        ]
-        if "power_min" not in device.static:
-            constraints = r.get(nvml.nvmlDeviceGetPowerManagementLimitConstraints, h)
-            if constraints is not None and len(constraints) == 2:
-                device.static["power_min"], device.static["power_max"] = constraints
-        limits += [("min", device.static.get("power_min")), ("max", device.static.get("power_max"))]
-        for kind, milliwatts in limits:
-            if milliwatts is not None:
-                r.add("gpufleet_gpu_power_limit_watts", (kind,), milliwatts / 1000)
-        energy = r.get(nvml.nvmlDeviceGetTotalEnergyConsumption, h)
-        if energy is not None:
-            r.add("gpufleet_gpu_energy_joules_total", (), energy / 1000)
-
-    def _read_memory_health(self, r: _DeviceRead) -> None:
-        nvml, h = self._nvml, r.device.handle
-        for kind, error_type in _ECC_KINDS:
-            # Aggregate: the lifetime count, which survives driver reloads (volatile does not).
-            aggregate = pynvml.NVML_AGGREGATE_ECC
-            count = r.get(nvml.nvmlDeviceGetTotalEccErrors, h, error_type, aggregate)
-            if count is not None:
-                r.add("gpufleet_gpu_ecc_errors_total", (kind,), count)
-        # Page retirement is pre-Ampere; Ampere and newer remap rows instead and answer
-        # NOT_SUPPORTED here (and the other way round on older boards).
-        for cause, source in _RETIREMENT_CAUSES:
-            pages = r.get(nvml.nvmlDeviceGetRetiredPages, h, source)
-            if pages is not None:
-                r.add("gpufleet_gpu_retired_pages", (cause,), len(pages))
-        pending = r.get(nvml.nvmlDeviceGetRetiredPagesPendingStatus, h)
-        if pending is not None:
-            r.add("gpufleet_gpu_retired_pages_pending", (), 1 if pending else 0)
-        rows = r.get(nvml.nvmlDeviceGetRemappedRows, h)
-        if rows is not None:
-            correctable, uncorrectable, rows_pending, rows_failed = rows
-            r.add("gpufleet_gpu_remapped_rows", ("correctable",), correctable)
-            r.add("gpufleet_gpu_remapped_rows", ("uncorrectable",), uncorrectable)
-            r.add("gpufleet_gpu_remapped_rows_pending", (), 1 if rows_pending else 0)
-            r.add("gpufleet_gpu_remapped_rows_failed", (), 1 if rows_failed else 0)
+    def _learn(self, device: _Device, outcome: _Outcome) -> None:
+        """Keep what a read learned: the one place a device read changes the collector."""
+        for call, err, what in outcome.failures:
+            self._log_once(device.bus_id, call, err, what)
+        if outcome.needs_reinit:
+            self._needs_reinit = True
+        with self._lock:
+            device.static.update(outcome.learned)
+            if outcome.memory_v2 is not None:
+                device.memory_v2 = outcome.memory_v2
+            if outcome.identity is not None:
+                device.model, device.uuid, device.vbios = outcome.identity
+                device.identity_read = True
+            if outcome.lost:
+                device.lost = True

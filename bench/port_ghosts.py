@@ -108,6 +108,14 @@ def report(label: str, times: list[float]) -> str:
     )
 
 
+def listed_as(registry: CollectorRegistry, info: dict[str, str], pid: int) -> bool:
+    """The port's listener is named (`_info` with its comm) and its pid is `pid`."""
+    return (
+        registry.get_sample_value("gpufleet_port_listener_info", info) == 1.0
+        and registry.get_sample_value("gpufleet_port_listener_pid", info) == float(pid)
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--processes", type=int, default=1000, help="extra `sleep` processes")
@@ -193,7 +201,7 @@ def main() -> int:
         scrapes_to_name: list[int] = []
         search_totals: list[float] = []
         beta = {"server": "beta", "port": str(ghost_port)}
-        info = {"port": str(ghost_port), "pid": str(ghost.pid), "comm": ghost_comm}
+        info = {"port": str(ghost_port), "comm": ghost_comm}
         for _ in range(args.runs):
             ghosted = PortsCollector({"beta": servers["beta"]}, units, sysfs=str(sysfs))
             scrapes: list[float] = []
@@ -203,7 +211,7 @@ def main() -> int:
                 scrapes += times
                 if ghost_registry.get_sample_value("gpufleet_port_ghost", beta) != 1.0:
                     wrong.append(f"beta not reported a ghost in scrape {len(scrapes)}")
-                named = ghost_registry.get_sample_value("gpufleet_port_listener_info", info) == 1
+                named = listed_as(ghost_registry, info, ghost.pid)
                 if not named and len(scrapes) > 10_000:
                     wrong.append("the search for the ghost's holder did not end")
             search_times += scrapes
@@ -217,7 +225,7 @@ def main() -> int:
         both = PortsCollector(servers, units, sysfs=str(sysfs))
         for _ in range(10_000):  # past the search for beta's ghost: the steady state
             _, both_registry = timed(both, 1)
-            if both_registry.get_sample_value("gpufleet_port_listener_info", info) == 1:
+            if listed_as(both_registry, info, ghost.pid):
                 break
         both_times, _ = timed(both, max(1, args.runs // 3))
         worst_times = []
@@ -235,23 +243,22 @@ def main() -> int:
         alpha_labels = {"server": "alpha", "port": str(llama.port)}
         if value(clean_registry, "gpufleet_port_ghost", alpha_labels) != 0.0:
             wrong.append("alpha (the unit's own llama-server) is not reported clean")
-        alpha_info = {"port": str(llama.port), "pid": str(llama.pid), "comm": "llama-server"}
-        if value(clean_registry, "gpufleet_port_listener_info", alpha_info) != 1.0:
+        alpha_info = {"port": str(llama.port), "comm": "llama-server"}
+        if not listed_as(clean_registry, alpha_info, llama.pid):
             wrong.append("alpha's llama-server is not listed as its port's listener")
         if clean.last_scan is None or clean.last_scan.full_scan:
             wrong.append("the clean port needed a full /proc scan")
         beta_labels = {"server": "beta", "port": str(ghost_port)}
-        ghost_info = {"port": str(ghost_port), "pid": str(ghost.pid)}
         for registry in (ghost_registry, later_registry):
             if value(registry, "gpufleet_port_ghost", beta_labels) != 1.0:
                 wrong.append("beta (held by a ghost) is not reported as a ghost")
             listed = [
-                s.labels
+                (s.labels["port"], s.value)
                 for f in registry.collect()
                 for s in f.samples
-                if f.name == "gpufleet_port_listener_info"
+                if f.name == "gpufleet_port_listener_pid"
             ]
-            if [{k: labels[k] for k in ("port", "pid")} for labels in listed] != [ghost_info]:
+            if listed != [(str(ghost_port), float(ghost.pid))]:
                 wrong.append(f"beta's listener is not the ghost pid {ghost.pid}: {listed}")
 
     print(

@@ -95,7 +95,10 @@ class Lab:
         llama_binary: Path,
         tiny_model: Path,
         monkeypatch: pytest.MonkeyPatch,
+        *,
+        litellm: str = "",
     ) -> None:
+        """`litellm`: the roster lines of the server's LiteLLM deployment (drains block it)."""
         self.tmp = tmp_path
         self.stand_in = SystemctlStandIn(tmp_path)
         self.stand_in.activate(monkeypatch)  # the remediator's node finds the stand-in
@@ -125,7 +128,7 @@ class Lab:
         self.setup.roster.write_text(
             "hosts:\n  dioscuri:\n    address: 127.0.0.1\n    local: true\n    servers:\n"
             f"      alpha:\n        engine: llama\n        url: {self.url}\n        unit: {UNIT}\n"
-            "        role: gpu-dense\n        model: tiny\n        timeout_seconds: 0.4\n"
+            "        role: gpu-dense\n        model: tiny\n        timeout_seconds: 0.4\n" + litellm
         )
         self.replica = Replica(self.setup, remediator_port, tmp_path / "remediator.log")
         self.exporter: MetricsServer | None = None
@@ -213,6 +216,14 @@ class Lab:
         pid = self.server_pid()
         os.kill(pid, signal.SIGSTOP)
         return pid
+
+    def thaw(self, pid: int) -> None:
+        """SIGCONT a frozen server: it answers again."""
+        os.kill(pid, signal.SIGCONT)
+
+    def admin(self, method: str, path: str, body: Any = None) -> Any:
+        """The remediator's admin API."""
+        return self.replica.request(method, path, body, admin=True)
 
     # -- what happened ------------------------------------------------------------------------
 

@@ -304,6 +304,33 @@ def test_every_unit_restarts_on_failure_within_a_start_limit(name: str) -> None:
     assert burst is not None and int(burst) > 0
 
 
+def number(u: Unit, section: str, key: str) -> int:
+    value = u.get(section, key)
+    assert value is not None, f"{u.name}: {section}.{key} is missing"
+    return int(value)
+
+
+def test_the_llama_start_limit_stops_a_slow_crash_loop_after_the_hourly_alert() -> None:
+    # Issue 19: a 6-minute load, a crash, RestartSec=10 -- 8 restarts in 50 minutes -- must hit
+    # the start limit, and only after the hourly LlamaServerCrashLooping (5 restarts) has fired.
+    u = unit(LLAMA_TEMPLATE)
+    interval = number(u, "Unit", "StartLimitIntervalSec")
+    burst = number(u, "Unit", "StartLimitBurst")
+    cycle = 6 * 60 + number(u, "Service", "RestartSec")
+    assert interval // cycle + 1 > burst, "a 6-minute load-crash loop never reaches the limit"
+    # `burst` starts are the first one and burst - 1 restarts: the alert needs 5 restarts.
+    assert burst - 1 >= 5, "the unit gives up before the hourly alert's 5th restart"
+    assert "nvidia-persistenced.service" in (u.get("Unit", "After") or "").split()
+
+
+def test_the_remediator_retries_a_passing_outage_for_ever() -> None:
+    # Restart= alone never reaches the start limit: starts are RestartSec apart at the least.
+    u = unit(REMEDIATOR_UNIT)
+    interval = number(u, "Unit", "StartLimitIntervalSec")
+    burst = number(u, "Unit", "StartLimitBurst")
+    assert interval // number(u, "Service", "RestartSec") + 1 < burst
+
+
 @pytest.mark.parametrize("name", UNITS)
 def test_every_unit_runs_unprivileged_and_sandboxed(name: str) -> None:
     u = unit(name)

@@ -45,6 +45,7 @@ CATEGORIES = {
     "LlamaServerCrashLooping": "inference",
     "LlamaServerLoadingTooLong": "inference",
     "LlamaServerMetricsMissing": "inference",
+    "LlamaServerModelLoadFailed": "inference",
     "PortGhost": "inference",
     "TokensPerSecondDegraded": "inference",
     "GpuLost": "gpu",

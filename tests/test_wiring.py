@@ -67,6 +67,7 @@ ALERT_NAMES = {
     "LlamaServerCrashLooping",
     "LlamaServerLoadingTooLong",
     "LlamaServerMetricsMissing",
+    "LlamaServerModelLoadFailed",
     "PortGhost",
     "GpuLost",
     "GpuTemperatureCritical",

@@ -32,6 +32,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from exporter.canary import CanaryCollector
 from exporter.exposition import TextWriter
 from exporter.registry import ExporterSettings, build_registry
 from tests.llama_lab import StartLlamaServer
@@ -97,6 +98,18 @@ REQUIRED_SERIES = {
     "gpufleet_remediator_escalations_total",
     "gpufleet_remediator_queue_depth",
     "ALERTS",
+    # Issue 19: hardware health, APU memory, the exporter's own health and the canary.
+    "gpufleet_gpu_xid_errors_total",
+    "gpufleet_gpu_ecc_errors_total",
+    "gpufleet_gpu_remapped_rows_failed",
+    "gpufleet_gpu_pcie_link_width",
+    "gpufleet_gpu_pcie_replay_errors_total",
+    "gpufleet_gpu_throttle_active",
+    "gpufleet_gpu_fan_speed_ratio",
+    "gpufleet_host_memory_available_bytes",
+    "gpufleet_exporter_collector_success",
+    "gpufleet_canary_tokens_per_second",
+    "server:gpufleet_llama_spec_acceptance_ratio:rate5m",
 }
 
 VARIABLE = re.compile(r"\$\{(\w+)(?::\w+)?\}|\$(\w+)|\[\[(\w+)\]\]")
@@ -296,7 +309,7 @@ def exporter_scrape(
     """A live scrape of the exporter: both GPU vendors, k10temp, a llama-server and a vLLM.
 
     The parts of test_full_scrape.py (roster, NVML scenario, sysfs writers, stand-ins) with a
-    lighter load: the dashboard reads no per-slot or canary series, so nothing generates.
+    lighter load: the dashboard reads no per-slot series, so only the canary generates, once.
     """
     sysfs = tmp_path / "sys"
     write_amd_card(sysfs, discrete_spec(0, "0000:03:00.0"))
@@ -313,10 +326,14 @@ def exporter_scrape(
     )
     systemctl.set_unit("vllm@zeta.service", ActiveState="active", MainPID=os.getpid())
     with VllmStandIn(REPO / "tests" / "fixtures" / "vllm" / "metrics-v1.txt") as vllm:
-        host = live_host(llama.url, vllm.url, canary=False)
+        host = live_host(llama.url, vllm.url, canary=True)
         settings = ExporterSettings(host=host, sysfs=str(sysfs), nvml_fake_scenario=TWO_GPUS)
         registry, fleet = build_registry(settings)
         try:
+            # The canary panels read its series, which exist after its first run: run it now
+            # rather than wait for its schedule (one 8-token completion of the tiny model).
+            canaries = [c for c in fleet.collectors if isinstance(c, CanaryCollector)]
+            assert [p.run_once() for c in canaries for p in c.probes] == ["ok"]
             text = TextWriter().render_registry(registry).decode()
         finally:
             fleet.close()
@@ -438,8 +455,8 @@ def test_every_datasource_is_the_datasource_variable() -> None:
 def test_the_variables_are_those_the_panels_need() -> None:
     dashboard = load_dashboard()
     defined = variables(dashboard)
-    assert list(defined) == ["datasource", "host", "role"]
-    for name in ("host", "role"):
+    assert list(defined) == ["datasource", "host", "role", "server", "gpu"]
+    for name in ("host", "role", "server", "gpu"):
         var = defined[name]
         assert var["type"] == "query" and var["multi"] and var["includeAll"], name
         # `.*` for All: the default, an alternation of every value, grows with the fleet and
@@ -455,6 +472,59 @@ def test_the_variables_are_those_the_panels_need() -> None:
                 assert re.search(r'[=!]~\s*"[^"]*$', before), (
                     f"{query.where}: ${name} outside a regex matcher"
                 )
+
+
+def test_the_report_links_fill_variables_the_panels_use() -> None:
+    # The remediator's Zulip reports link here with var-host, var-server and var-gpu (from the
+    # alert's labels): each must be a variable, and some panel must filter by it, or the link
+    # opens the whole fleet.
+    from datetime import UTC, datetime
+    from urllib.parse import parse_qs, urlsplit
+
+    from remediator.notify.report import grafana_link_url
+
+    now = datetime.now(UTC)
+    url = grafana_link_url(
+        "https://grafana.example/d/gpu-fleet/gpu-fleet",
+        {"host": "h", "server": "s", "gpu": "0"},
+        now,
+        now,
+    )
+    linked = {
+        key.removeprefix("var-") for key in parse_qs(urlsplit(url).query) if key.startswith("var-")
+    }
+    assert linked == {"host", "server", "gpu"}
+    dashboard = load_dashboard()
+    assert linked <= set(variables(dashboard))
+    texts = [query.text for query in dashboard_queries(dashboard)]
+    for name in linked:
+        assert any(f'=~"${name}"' in text for text in texts), f"no query filters by ${name}"
+
+
+def test_the_dashboard_scales_to_a_fleet() -> None:
+    dashboard = load_dashboard()
+    top = dashboard["panels"]
+    # The per-GPU time series are one collapsed row per host, not every host in one panel.
+    [per_host] = [p for p in top if p["type"] == "row" and p.get("repeat") == "host"]
+    assert per_host["collapsed"] and per_host["panels"]
+    # No table legends: with 100 hosts they bury the graph.
+    for panel in all_panels(top):
+        legend = panel.get("options", {}).get("legend", {})
+        assert legend.get("displayMode") != "table", f"panel {panel['id']} {panel['title']!r}"
+    # The way out: the runbooks and Alertmanager.
+    assert {link["title"] for link in dashboard["links"]} >= {"Runbooks", "Alertmanager"}
+    assert any("docs/runbooks" in link["url"] for link in dashboard["links"])
+    # The overview's host column drills down to that host.
+    [hosts] = [p for p in top if p["title"].startswith("Hosts")]
+    host_links = [
+        link
+        for override in hosts["fieldConfig"]["overrides"]
+        if override["matcher"] == {"id": "byName", "options": "host"}
+        for prop in override["properties"]
+        if prop["id"] == "links"
+        for link in prop["value"]
+    ]
+    assert host_links and "var-host=${__value.raw}" in host_links[0]["url"]
 
 
 def test_the_queries_cover_what_the_dashboard_is_for() -> None:

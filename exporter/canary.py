@@ -114,6 +114,8 @@ class CanaryProbe:
         lanes: Lanes | None = None,
     ) -> None:
         self.name = name
+        # A probe made alone (a test, a one-off run) brings its own reader and closes it.
+        self._own_lanes = lanes is None
         self._lanes = lanes or Lanes(1, name=f"canary-{name}")
         self._server = server
         self._settings = settings
@@ -127,6 +129,9 @@ class CanaryProbe:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._latest: dict[str, CanaryResult] = {}
+        # This attempt's results, published with its outcome count in one step (run_once),
+        # so a snapshot never shows a result without the run that made it.
+        self._measured: dict[str, CanaryResult] = {}
         # Per served_model: the finished-request counters right after its last run.
         self._after_last_run: dict[str, tuple[float, ...]] = {}
         self._runs = dict.fromkeys(OUTCOMES, 0)
@@ -141,6 +146,8 @@ class CanaryProbe:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=1.0)
+        if self._own_lanes:
+            self._lanes.close()
 
     def snapshot(self) -> tuple[dict[str, CanaryResult], dict[str, int]]:
         """The last successful result per served_model, and the count of runs by outcome."""
@@ -163,8 +170,11 @@ class CanaryProbe:
 
     def run_once(self) -> str:
         """One attempt; returns its outcome (one of `OUTCOMES`)."""
+        self._measured = {}
         outcome = self._attempt()
-        self._count(outcome)
+        with self._lock:
+            self._latest.update(self._measured)
+            self._runs[outcome] += 1
         return outcome
 
     def _get(self, path: str, headers: tuple[tuple[str, str], ...]) -> Answer:
@@ -263,8 +273,7 @@ class CanaryProbe:
             prompt_tokens_per_second=_rate(timings, "prompt_per_second"),
             finished_at=self._wall_clock(),
         )
-        with self._lock:
-            self._latest[model] = result
+        self._measured[model] = result
         return "ok"
 
 

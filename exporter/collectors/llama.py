@@ -80,7 +80,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 _Fams = dict[str, GaugeMetricFamily | CounterMetricFamily]
 
-ENDPOINTS = ("metrics", "slots", "props")
 # Lanes per server: health, props, metrics, slots, models, and per loaded router model three.
 _LANES_PER_SERVER = 8
 _MAX_WORKERS = 64
@@ -257,7 +256,10 @@ class LlamaCollector:
             return read
         part = _Part(props=props_answer, metrics=first["metrics"].answer())
         read.parts = [part]
-        self._read_slots([part], read.props, ask=ask, headers=headers, lanes=lanes, query="")
+        if _wants_slots(part, read.props):
+            pending = ask("slots", "/slots", headers)
+            lanes.wait([pending])
+            part.slots = pending.answer()
         return read
 
     def _read_router(
@@ -282,40 +284,15 @@ class LlamaCollector:
         lanes.wait([p for _, *both in pending for p in both])
         for part, props, metrics in pending:
             part.props, part.metrics = props.answer(), metrics.answer()
+        slots = []
         for part in parts:
-            query = f"?model={quote(part.served_model, safe='')}&autoload=false"
-            child = _parse_or_none(part.props, parse_props)
-            self._read_slots([part], child, ask=ask, headers=headers, lanes=lanes, query=query)
+            if _wants_slots(part, _parse_or_none(part.props, parse_props)):
+                query = f"?model={quote(part.served_model, safe='')}&autoload=false"
+                slots.append((part, ask(f"slots/{part.served_model}", f"/slots{query}", headers)))
+        lanes.wait([p for _, p in slots])
+        for part, answer in slots:
+            part.slots = answer.answer()
         return parts
-
-    @staticmethod
-    def _read_slots(
-        parts: list[_Part],
-        props: Props | None,
-        *,
-        ask: Callable[[str, str, tuple[tuple[str, str], ...]], Pending],
-        headers: tuple[tuple[str, str], ...],
-        lanes: Lanes,
-        query: str,
-    ) -> None:
-        """Ask `/slots` only of an awake server that is processing requests (see docstring)."""
-        part = parts[0]
-        if props is None or props.is_sleeping is not False:
-            # Unknown counts as possibly asleep: a wrong guess must not wake the server.
-            part.slots_skipped = "sleeping" if props and props.is_sleeping else "unknown"
-            return
-        values = _parse_or_none(part.metrics, lambda b: parse_metrics(b)[0]) or {}
-        processing = values.get("requests_processing")
-        if processing is None:
-            part.slots_skipped = "unknown"
-            return
-        if processing <= 0:
-            part.slots_skipped = "idle"
-            return
-        lane = f"slots/{part.served_model}" if part.served_model else "slots"
-        pending = ask(lane, f"/slots{query}", headers)
-        lanes.wait([pending])
-        part.slots = pending.answer()
 
     # -- exporting --------------------------------------------------------------------------
 
@@ -538,6 +515,28 @@ def _metrics(body: bytes) -> tuple[dict[str, float], str | None]:
 
 # Worst first: a router's endpoint series sums up its loaded models' (one series per server).
 _SEVERITY = (EndpointState.ERROR, EndpointState.BUSY, EndpointState.DISABLED, EndpointState.OK)
+
+
+def _wants_slots(part: _Part, props: Props | None) -> bool:
+    """Whether to ask `/slots`: only of an awake server that is processing requests.
+
+    `/slots` wakes a sleeping server and resets the idle timer of an awake one (module
+    docstring); with nothing processing every slot is idle, which `/props` says. Sets
+    `part.slots_skipped` to why not.
+    """
+    if props is None or props.is_sleeping is not False:
+        # Unknown counts as possibly asleep: a wrong guess must not wake the server.
+        part.slots_skipped = "sleeping" if props and props.is_sleeping else "unknown"
+        return False
+    values = _parse_or_none(part.metrics, lambda b: parse_metrics(b)[0]) or {}
+    processing = values.get("requests_processing")
+    if processing is None:
+        part.slots_skipped = "unknown"
+        return False
+    if processing <= 0:
+        part.slots_skipped = "idle"
+        return False
+    return True
 
 
 def _parse_or_none(answer: Answer | None, parse: Callable[[bytes], T]) -> T | None:

@@ -80,8 +80,10 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 _Fams = dict[str, GaugeMetricFamily | CounterMetricFamily]
 
-# Lanes per server: health, props, metrics, slots, models, and per loaded router model three.
-_LANES_PER_SERVER = 8
+# The lane workers: a fixed ceiling, not a per-server count, because a router's lanes grow with
+# its loaded models (three each) and a call refused for want of a worker reads `busy`. The pool
+# starts a thread only when no idle one is free, so the threads are as many as the calls that
+# were ever in flight at once (each bounded by its deadline), never more than this.
 _MAX_WORKERS = 64
 
 # /metrics keys to families, for a server and for each loaded router model.
@@ -180,9 +182,7 @@ class LlamaCollector:
         self._clock = clock
         self._state = {name: _ServerState() for name in self._servers}
         count = max(1, len(self._servers))
-        self._lanes = Lanes(
-            min(_MAX_WORKERS, _LANES_PER_SERVER * count), name="llama-read", clock=clock
-        )
+        self._lanes = Lanes(_MAX_WORKERS, name="llama-read", clock=clock)
         # One driver per server: it waits on its own server's calls only, so a slow server's
         # wait never delays a neighbour's second round (/slots, router models).
         self._drivers = concurrent.futures.ThreadPoolExecutor(count, thread_name_prefix="llama")

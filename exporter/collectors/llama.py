@@ -84,7 +84,7 @@ _Fams = dict[str, GaugeMetricFamily | CounterMetricFamily]
 # its loaded models (three each) and a call refused for want of a worker reads `busy`. The pool
 # starts a thread only when no idle one is free, so the threads are as many as the calls that
 # were ever in flight at once (each bounded by its deadline), never more than this.
-_MAX_WORKERS = 64
+MAX_WORKERS = 64
 
 # /metrics keys to families, for a server and for each loaded router model.
 _COUNTERS = {
@@ -182,7 +182,7 @@ class LlamaCollector:
         self._clock = clock
         self._state = {name: _ServerState() for name in self._servers}
         count = max(1, len(self._servers))
-        self._lanes = Lanes(_MAX_WORKERS, name="llama-read", clock=clock)
+        self._lanes = Lanes(MAX_WORKERS, name="llama-read", clock=clock)
         # One driver per server: it waits on its own server's calls only, so a slow server's
         # wait never delays a neighbour's second round (/slots, router models).
         self._drivers = concurrent.futures.ThreadPoolExecutor(count, thread_name_prefix="llama")
@@ -246,7 +246,8 @@ class LlamaCollector:
         if health_state(read.health) is not Health.OK:
             read.parts = [_Part(props=props_answer)]
             return read
-        if read.props is not None and read.props.router:
+        # /props unanswered this scrape (busy, a 401): a server known as a router stays one.
+        if read.props.router if read.props is not None else state.router:
             read.models = first["models"].answer() if "models" in first else None
             if read.models is None:  # first sight of a router: ask its list now
                 pending = ask("models", "/models", headers)
@@ -316,7 +317,7 @@ class LlamaCollector:
         if not up:
             state.targets.clear()  # a restarted server starts its task ids again
             return
-        if props is not None and props.router:
+        if state.router:  # from this scrape's /props, else the last one that answered
             self._export_router(name, read, f)
         seen = set()
         states: dict[str, list[EndpointState]] = {}

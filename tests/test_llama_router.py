@@ -169,3 +169,34 @@ def test_a_sleeping_router_model_is_not_woken_by_scrapes_or_the_canary(
             time.sleep(1.0)
     finally:
         collector.close()
+
+
+def test_two_loaded_router_models_are_read_apart(start_router: Any) -> None:
+    router = start_router()
+    assert post(router, "/models/load", {"model": "beta"}) == 200
+    wait_until(lambda: states(router)["beta"]["value"] == "loaded", 30, what="beta loaded")
+    collector = LlamaCollector({"hub": entry(router.url)})
+    alpha = {"server": "hub", "served_model": "alpha"}
+    beta = {"server": "hub", "served_model": "beta"}
+    try:
+        generation = router.generate(n_predict=30000, model="alpha")
+        wait_until(
+            lambda: Scrape(iter(collector.collect())).get(
+                "gpufleet_llama_slots", **alpha, state="busy"
+            ) == 1,
+            20,
+            what="alpha busy",
+        )  # fmt: skip
+        s = Scrape(iter(collector.collect()))
+        generation.cancel()
+    finally:
+        collector.close()
+    # Each child's own counters and slots: alpha generates, beta idles (its /slots not asked).
+    assert s.get("gpufleet_llama_requests_processing", **alpha) == 1
+    assert s.get("gpufleet_llama_requests_processing", **beta) == 0
+    assert s.get("gpufleet_llama_slots", **beta, state="idle") == 2
+    decoded = [labels for (n, labels) in s.samples if n == "gpufleet_llama_slot_decoded_tokens"]
+    assert decoded and all(("served_model", "alpha") in labels for labels in decoded)
+    assert s.endpoint("hub", "metrics") == "ok" and s.endpoint("hub", "slots") == "ok"
+    info = [labels for (name, labels) in s.samples if name == "gpufleet_llama_info"]
+    assert len(info) == 1

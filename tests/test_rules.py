@@ -286,6 +286,33 @@ def test_rules_and_runbooks_name_only_series_that_exist() -> None:
     assert not unknown, sorted(unknown)
 
 
+def test_the_readme_lists_every_alert_rule_with_its_threshold() -> None:
+    # rules/README.md's table: one row per rule, named by the alert, its `cause` (or `source`)
+    # where it has several rules, and its severity, with what fires it and its `for:`.
+    readme = (RULES / "README.md").read_text(encoding="utf-8")
+    row = re.compile(
+        r"^\| `(\w+)`(?: `((?:cause|source)=\w+)`)? \| (.+?) \| (\w+) \| (\w+) \| \w+ \|$",
+        flags=re.MULTILINE,
+    )
+    rows = {
+        (name, tag, severity): duration
+        for name, tag, _condition, duration, severity in row.findall(readme)
+    }
+    missing, wrong_for = [], []
+    for rule in ALERT_RULES:
+        labels = rule.get("labels", {})
+        tag = next((f"{k}={labels[k]}" for k in ("cause", "source") if k in labels), "")
+        key = (rule["alert"], tag, labels.get("severity"))
+        if key not in rows:
+            missing.append(" ".join(filter(None, key)))
+        elif rows[key] != rule["for"]:
+            wrong_for.append(
+                f"{' '.join(filter(None, key))}: README {rows[key]}, rule {rule['for']}"
+            )
+    assert not missing, f"rules/README.md lacks: {missing}"
+    assert not wrong_for, wrong_for
+
+
 @pytest.mark.parametrize("name", ALERT_NAMES)
 def test_every_alert_has_a_firing_and_a_quiet_case(name: str) -> None:
     cases = [case for case in alert_cases() if case["alertname"] == name]

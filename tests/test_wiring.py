@@ -673,6 +673,50 @@ def test_the_watchdog_reaches_the_switch_and_pipeline_alerts_people_and_the_reme
     assert names(receiver) == pipeline
 
 
+def metric_names_of(url: str) -> set[str]:
+    """The series names a real /metrics page exposes (samples, and families declared empty)."""
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    names = set(re.findall(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{| )", text, flags=re.MULTILINE))
+    names |= set(re.findall(r"^# TYPE (\w+) ", text, flags=re.MULTILINE))
+    return names
+
+
+def test_the_pipeline_rules_read_series_prometheus_and_alertmanager_export(
+    alerting: tuple[Alertmanager, Receiver], tmp_path: Path
+) -> None:
+    # A misspelt prometheus_*/alertmanager_* name is no error to Prometheus: the alert just never
+    # fires. Read both real servers' own /metrics (a Prometheus with our rules, sending to the
+    # example's Alertmanager) for every such name the rules use.
+    from tests.prometheus_lab import PrometheusServer
+
+    manager, _ = alerting
+    used = {
+        name
+        for rule in alert_rules()
+        for name in re.findall(r"\b((?:prometheus|alertmanager)_\w+)", rule["expr"])
+    }
+    assert len(used) >= 7, used
+    alerting_config = {
+        "alerting": {
+            "alertmanagers": [{"static_configs": [{"targets": [f"127.0.0.1:{manager.port}"]}]}]
+        }
+    }
+    with PrometheusServer(
+        tmp_path, [], "1s", rule_files=[RECORDING_RULES, ALERT_RULES], extra=alerting_config
+    ) as prometheus:
+        deadline = time.monotonic() + 20
+        while True:
+            exposed = metric_names_of(f"{prometheus.url}/metrics") | metric_names_of(
+                f"{manager.url}/metrics"
+            )
+            missing = used - exposed
+            if not missing or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)  # the Alertmanager is discovered a moment after the start
+    assert not missing, sorted(missing)
+
+
 def test_a_resolved_alert_is_sent_too(alerting: tuple[Alertmanager, Receiver]) -> None:
     manager, receiver = alerting
     firing = alert("LlamaServerDown", host="res-h1", server="alpha", category="inference")

@@ -115,8 +115,12 @@ def test_the_builtin_is_what_these_runs_exercise() -> None:
     playbook: dict[str, Any] = yaml.safe_load((BUILTIN / f"{PLAYBOOK}.yaml").read_text())
     assert playbook["match"] == {"alertname": "TokensPerSecondDegraded"}
     canary = {"n_predict": 64, "confirm_below_ratio": 0.7}
+    evidence = {"promql": [
+        'server:gpufleet_llama_spec_acceptance_ratio:rate5m{host="{host}",server="{server}"}',
+        'server_model:gpufleet_tokens_per_second:ratio{host="{host}",server="{server}"}',
+    ]}  # fmt: skip
     assert playbook["steps"] == [
-        {"canary_benchmark": canary}, {"capture_evidence": {}},
+        {"canary_benchmark": canary}, {"capture_evidence": evidence},
         {"drain": {"max_wait_seconds": 60}}, {"restart_server": {}},
         {"wait_healthy": {"within_seconds": 180}},
     ]  # fmt: skip

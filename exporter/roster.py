@@ -230,6 +230,10 @@ class Server(_Strict):
     timeout_seconds: float = Field(default=2.0, gt=0, le=60)
     canary: Canary | None = None
     litellm: LiteLlm | None = None
+    # A llama-server in router mode (--models-dir / --models-preset: one child per model).
+    # Optional: the exporter detects it from /props (`role: "router"`); `true` makes it read
+    # as a router from the first scrape, even while /props does not answer.
+    router: bool | None = None
 
     @model_validator(mode="after")
     def _canary_needs_llama(self) -> Server:

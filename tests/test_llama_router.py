@@ -200,3 +200,27 @@ def test_two_loaded_router_models_are_read_apart(start_router: Any) -> None:
     assert s.endpoint("hub", "metrics") == "ok" and s.endpoint("hub", "slots") == "ok"
     info = [labels for (name, labels) in s.samples if name == "gpufleet_llama_info"]
     assert len(info) == 1
+
+
+@pytest.mark.parametrize("marked", [True, None])
+def test_the_roster_may_mark_a_router_when_props_does_not_say(marked: bool | None) -> None:
+    from tests.llama_stand_in import LlamaStandIn
+
+    # /props fails (500) every scrape, so only the roster can tell this is a router.
+    with LlamaStandIn("error", paths=frozenset({"/props"})) as server:
+        collector = LlamaCollector({"hub": entry(server.url, router=marked)})
+        try:
+            s = Scrape(iter(collector.collect()))
+            endpoints = {
+                dict(labels)["endpoint"]
+                for name, labels in s.samples
+                if name == "gpufleet_llama_endpoint" and ("server", "hub") in labels
+            }
+            if marked:
+                # Read as a router: its model list was asked for, its own /metrics was not.
+                assert "models" in endpoints and "metrics" not in endpoints, endpoints
+            else:
+                # Detected from /props only: not a router, so no list; /metrics read.
+                assert "models" not in endpoints and s.endpoint("hub", "metrics") == "ok"
+        finally:
+            collector.close()

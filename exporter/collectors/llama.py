@@ -180,7 +180,10 @@ class LlamaCollector:
     ) -> None:
         self._servers = {n: s for n, s in sorted(servers.items()) if s.engine == "llama"}
         self._clock = clock
-        self._state = {name: _ServerState() for name in self._servers}
+        self._state = {
+            name: _ServerState(router=server.router is True)
+            for name, server in self._servers.items()
+        }
         count = max(1, len(self._servers))
         self._lanes = Lanes(MAX_WORKERS, name="llama-read", clock=clock)
         # One driver per server: it waits on its own server's calls only, so a slow server's
@@ -242,12 +245,13 @@ class LlamaCollector:
         props_answer = first["props"].answer()
         read.props = _parse_or_none(props_answer, parse_props)
         if read.props is not None:
-            state.router = read.props.router
+            # The roster may say so (`router: true`); else /props' `role` decides.
+            state.router = read.props.router or server.router is True
         if health_state(read.health) is not Health.OK:
             read.parts = [_Part(props=props_answer)]
             return read
         # /props unanswered this scrape (busy, a 401): a server known as a router stays one.
-        if read.props.router if read.props is not None else state.router:
+        if state.router:
             read.models = first["models"].answer() if "models" in first else None
             if read.models is None:  # first sight of a router: ask its list now
                 pending = ask("models", "/models", headers)

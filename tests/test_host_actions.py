@@ -519,3 +519,23 @@ def test_config_of_host_actions_is_checked_with_key_paths(tmp_path: Path) -> Non
     assert any(line.startswith("node_command: '--config=$(id)'") for line in lines), lines
     assert any(line.startswith("ssh.connect_timeout_seconds: ") for line in lines)
     assert any(line.startswith("ssh.known_hosts_file: /nonexistent") for line in lines)
+
+
+def test_drain_of_a_sleeping_server_does_not_wake_it(
+    tmp_path: Path, llama_server: StartLlamaServer
+) -> None:
+    from tests.llama_lab import get_json
+
+    server: LlamaServer = llama_server("-c", "1024", "-np", "1", "-t", "1", "--metrics",
+                                       "--sleep-idle-seconds", "2")  # fmt: skip
+
+    def sleeping() -> bool:
+        return get_json(server.url, "/props")["is_sleeping"] is True
+
+    wait_until(sleeping, 20, interval=0.2, what="the server asleep")
+    target = server_target(server_roster(tmp_path, server.url))
+    result = run_action(context(target, ActionSettings()), "drain", DrainParams(), 30)
+    assert result.ok, result.output
+    assert "sleeping, nothing in flight" in result.output
+    time.sleep(0.5)
+    assert sleeping(), "the drain woke the server (its /slots reloads the model)"

@@ -202,6 +202,11 @@ def busy_slots(ctx: ActionContext, entry: Server) -> tuple[int | None, str]:
         if not found:
             return None, "/metrics has no vllm:num_requests_running"
         return round(sum(float(v) for v in found)), "vllm:num_requests_running"
+    # /slots of a sleeping llama-server waits for it to wake (reloading its model) and resets
+    # its idle timer: ask /props first, which answers from cache while it sleeps.
+    props = http_call("GET", f"{entry.url}/props", timeout=_timeout(ctx), bearer=key).json()
+    if isinstance(props, dict) and props.get("is_sleeping") is True:
+        return 0, "/props: sleeping, nothing in flight (/slots not asked: it would wake it)"
     answer = http_call("GET", f"{entry.url}/slots", timeout=_timeout(ctx), bearer=key)
     if answer.error is not None:
         return None, answer.error

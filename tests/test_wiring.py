@@ -673,6 +673,48 @@ def test_the_watchdog_reaches_the_switch_and_pipeline_alerts_people_and_the_reme
     assert names(receiver) == pipeline
 
 
+def test_a_flapping_exporter_does_not_silence_its_host(
+    alerting: tuple[Alertmanager, Receiver],
+) -> None:
+    # The readings that do arrive from a host scraped half the time still count: a lost GPU
+    # there reaches the remediator beside the flapping alert (people get the flapping one too).
+    manager, receiver = alerting
+    assert manager.people is not None
+    people = manager.people
+    manager.post([
+        alert("GpuFleetExporterDown", host="flap-h1", category="infra", cause="flapping"),
+    ])  # fmt: skip
+    wait_for(
+        lambda: ("GpuFleetExporterDown", "flap-h1", "") in delivered_names(receiver, {"flap-h1"}),
+        "the flapping alert",
+        manager,
+    )
+    manager.post([alert("GpuLost", host="flap-h1", gpu="0", category="gpu", cause="down")])
+    wait_for(
+        lambda: ("GpuLost", "flap-h1", "0") in delivered_names(receiver, {"flap-h1"}),
+        "the lost GPU, not inhibited",
+        manager,
+    )
+    assert not [
+        a
+        for a in manager.alerts()
+        if a["labels"].get("host") == "flap-h1" and a["status"]["inhibitedBy"]
+    ]
+    wait_for(
+        lambda: (
+            "GpuFleetExporterDown"
+            in {
+                a.labels["alertname"]
+                for r in people.snapshot()
+                for a in r.notification.alerts
+                if a.labels.get("host") == "flap-h1"
+            }
+        ),
+        "the flapping alert at people's",
+        manager,
+    )
+
+
 def metric_names_of(url: str) -> set[str]:
     """The series names a real /metrics page exposes (samples, and families declared empty)."""
     with urllib.request.urlopen(url, timeout=10) as response:

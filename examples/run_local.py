@@ -9,8 +9,9 @@ Everything listens on 127.0.0.1 and keeps its state under one directory (`.run/`
   files, the text Zulip would get (add a `zulip:` section and a zuliprc to send them there).
 - `prometheus/` — its config (scraping the exporter, the remediator, itself and Alertmanager
   every 5 s, evaluating the repository's `rules/`), its data and its log.
-- `alertmanager/` — `examples/alertmanager.yml` pointed at this remediator, with a shorter
-  `group_wait` so an alert shows within seconds.
+- `alertmanager/` — `examples/alertmanager.yml` with every receiver pointed at this remediator
+  (the people's and the dead man's switch too: their reports land in `reports/`), and a
+  shorter `group_wait` so an alert shows within seconds.
 - `logs/` — each process's output.
 
 The preferred ports are the usual ones (Prometheus 9090, Alertmanager 9093, remediator 9095,
@@ -195,14 +196,18 @@ def write_alertmanager_config(state: Path, ports: dict[str, int]) -> Path:
     config = yaml.safe_load((REPO / "examples" / "alertmanager.yml").read_text())
     config["route"]["group_wait"] = "5s"
     config["route"]["group_interval"] = "30s"
+    # Every receiver — the remediator's, and on this one machine also `people` and the dead
+    # man's switch, whose placeholder URLs lead nowhere — goes to this remediator: what would
+    # reach people shows in .run/reports/ too, and Alertmanager has no failing notifications.
     for receiver in config["receivers"]:
-        if receiver["name"] != config["route"]["receiver"]:
-            continue
-        for webhook in receiver["webhook_configs"]:
+        for webhook in receiver.get("webhook_configs", []):
             webhook["url"] = f"http://127.0.0.1:{ports['remediator']}/webhook/alertmanager"
-            webhook["http_config"]["authorization"]["credentials_file"] = str(
-                state / "webhook.token"
-            )
+            webhook["http_config"] = {
+                "authorization": {
+                    "type": "Bearer",
+                    "credentials_file": str(state / "webhook.token"),
+                }
+            }
     path = directory / "alertmanager.yml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path

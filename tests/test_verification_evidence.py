@@ -32,6 +32,15 @@ STUCK_GONE = HEALTHY + (
 )
 RUNAWAY = HEALTHY + 'gpufleet_llama_slot_decoded_tokens{server="alpha",slot="0"} 9000\n'
 RUNAWAY_GONE = HEALTHY + 'gpufleet_llama_slot_decoded_tokens{server="alpha",slot="0"} 120\n'
+# Capped at -n 4096 (the unit's own): 3900 tokens is past 2048 and 80 % of the cap.
+CAPPED_RUNAWAY = HEALTHY + (
+    'gpufleet_llama_slot_decoded_tokens{server="alpha",slot="0"} 3900\n'
+    'gpufleet_llama_slot_predict_limit{server="alpha",slot="0"} 4096\n'
+)
+CAPPED_GONE = HEALTHY + (
+    'gpufleet_llama_slot_decoded_tokens{server="alpha",slot="0"} 300\n'
+    'gpufleet_llama_slot_predict_limit{server="alpha",slot="0"} 4096\n'
+)
 
 
 @pytest.fixture
@@ -60,7 +69,11 @@ def _holds(prometheus: PrometheusServer, query: str, within: float) -> bool:
 
 @pytest.mark.parametrize(
     ("playbook", "fault", "gone"),
-    [("llama-server-stuck", STUCK, STUCK_GONE), ("llama-server-runaway", RUNAWAY, RUNAWAY_GONE)],
+    [
+        ("llama-server-stuck", STUCK, STUCK_GONE),
+        ("llama-server-runaway", RUNAWAY, RUNAWAY_GONE),
+        ("llama-server-runaway", CAPPED_RUNAWAY, CAPPED_GONE),
+    ],
 )
 def test_the_verification_fails_while_the_fault_persists(
     lab: tuple[MetricsEndpoint, PrometheusServer],

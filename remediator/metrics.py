@@ -30,7 +30,7 @@ import logging
 from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
@@ -219,6 +219,12 @@ class RemediatorMetrics:
             "gpufleet_remediator_admission_errors",
             "Notifications that parsed but failed admission in an unforeseen way (answered "
             "400, journaled as rejected).",
+            registry=self.registry,
+        )
+        self.roster_hosts = Gauge(
+            "gpufleet_remediator_roster_hosts",
+            "Hosts in the remediator's roster: GpuFleetExporterTargetsMissing compares it with "
+            "the exporters Prometheus scrapes.",
             registry=self.registry,
         )
         self.loop_states: Callable[[], Mapping[str, bool]] | None = None

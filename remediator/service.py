@@ -110,6 +110,7 @@ def build_services(
         dedupe_window=timedelta(seconds=config.dedupe_window_seconds),
     )
     metrics = RemediatorMetrics(journal)
+    metrics.roster_hosts.set(len(roster.hosts))
     reporting = report_settings(config)
     reporter = Reporter(reporting, roster) if reporting is not None else None
     sender = None

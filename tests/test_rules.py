@@ -60,6 +60,7 @@ CATEGORIES = {
     # Issue 19: the pipeline's own health, and the exporter's scrapes and collectors.
     "GpuFleetExporterScrapeSlow": "infra",
     "GpuFleetCollectorFailing": "infra",
+    "GpuFleetExporterTargetsMissing": "infra",
     "Watchdog": "infra",
     "PrometheusRuleEvaluationFailures": "infra",
     "PrometheusConfigReloadFailed": "infra",
@@ -99,7 +100,11 @@ PIPELINE = {
     "AlertmanagerConfigReloadFailed",
     "AlertmanagerDown",
 }
-WITHOUT_HOST = {"GpuFleetRemediatorDown", "GpuFleetRemediatorDegraded"} | PIPELINE
+WITHOUT_HOST = {
+    "GpuFleetRemediatorDown",
+    "GpuFleetRemediatorDegraded",
+    "GpuFleetExporterTargetsMissing",  # about the fleet's targets, not one host
+} | PIPELINE
 # The labels that name a target in the roster, and must survive every aggregation.
 TARGET_LABELS = ("host", "server", "gpu")
 # The recording rules the dashboard reads, and their labels exactly.

@@ -91,6 +91,7 @@ PIPELINE_ALERTS = {
     "AlertmanagerConfigReloadFailed",
     "AlertmanagerDown",
     "GpuFleetExporterScrapeSlow",
+    "GpuFleetExporterTargetsMissing",
     "GpuFleetCollectorFailing",
 }
 ALERT_NAMES |= PIPELINE_ALERTS

@@ -191,22 +191,24 @@ class Lab:
         self.replica.start()
 
     def close(self) -> None:
-        """Stop everything the lab started, whatever state it is in."""
+        """Stop everything the lab started, whatever state it is in (each part apart: one that
+        fails to stop must not leave the others, a detached llama-server above all, running)."""
         pid = self.stand_in.main_pid(UNIT)
         if pid:  # a frozen server must be able to stop
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGCONT)
-        self.replica.stop()
-        if self.prometheus is not None:
-            self.prometheus.stop()
-        if self.alertmanager is not None:
-            self.alertmanager.stop()
-        if self.exporter is not None:
-            self.exporter.stop()
-        if self.fleet is not None:
-            self.fleet.close()
-        self.stand_in.stop_all()
-        self.zulip.close()
+        with contextlib.ExitStack() as stack:
+            stack.callback(self.zulip.close)
+            stack.callback(self.stand_in.stop_all)
+            if self.fleet is not None:
+                stack.callback(self.fleet.close)
+            if self.exporter is not None:
+                stack.callback(self.exporter.stop)
+            if self.alertmanager is not None:
+                stack.callback(self.alertmanager.stop)
+            if self.prometheus is not None:
+                stack.callback(self.prometheus.stop)
+            stack.callback(self.replica.stop)
 
     def phase(self, what: str) -> float:
         """Mark a phase of the scenario: kept in `timeline` and printed (`make lab` shows it)."""

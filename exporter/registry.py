@@ -183,7 +183,7 @@ def build_collectors(settings: ExporterSettings) -> list[SourceCollector]:
     collectors: list[SourceCollector] = [
         nvidia,
         amd,
-        HwmonCollector(settings.sysfs, thermal=thermal),
+        HwmonCollector(settings.sysfs, thermal=thermal, procfs=settings.procfs),
         HostCollector(),
     ]
     servers = host.servers if host is not None else {}

@@ -6,10 +6,11 @@ from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 from exporter.collectors.base import SourceCollector
-from exporter.collectors.hwmon import HwmonCollector
+from exporter.collectors.hwmon import HwmonCollector, k10temp_default_celsius
 from exporter.sources.hwmon import chip_labels, list_chips, read_chip
 from tests.golden import assert_golden, exposition
 from tests.sysfs_tree import (
@@ -224,3 +225,51 @@ def test_channels_sharing_a_label_are_told_apart(tmp_path: Path) -> None:
     registry = registry_of(tmp_path)
     assert temp(registry, "it8688", "foosensor") == 55
     assert temp(registry, "it8688", "foosensor_temp2") == 54
+
+
+STRIX_HALO = """\
+processor\t: 0
+vendor_id\t: AuthenticAMD
+cpu family\t: 26
+model\t\t: 112
+model name\t: AMD RYZEN AI MAX+ 395 w/ Radeon 8060S
+"""
+
+
+@pytest.mark.parametrize(
+    ("vendor", "family", "model", "expected"),
+    [
+        ("AuthenticAMD", 26, 0x70, 100.0),  # Strix Halo (Ryzen AI Max)
+        ("AuthenticAMD", 26, 0x24, 100.0),  # Strix Point
+        ("AuthenticAMD", 26, 0x44, 95.0),  # Granite Ridge (Ryzen 9000 desktop)
+        ("AuthenticAMD", 25, 0x61, 95.0),  # Raphael (Zen 4)
+        ("AuthenticAMD", 25, 0x21, 90.0),  # Vermeer (Zen 3)
+        ("GenuineIntel", 6, 0x8F, 90.0),  # not AMD: the generic default
+    ],
+)
+def test_the_k10temp_default_is_the_cpus_own_tjmax(
+    tmp_path: Path, vendor: str, family: int, model: int, expected: float
+) -> None:
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    (proc / "cpuinfo").write_text(
+        f"processor\t: 0\nvendor_id\t: {vendor}\ncpu family\t: {family}\nmodel\t\t: {model}\n\n"
+        f"processor\t: 1\nvendor_id\t: {vendor}\ncpu family\t: 1\nmodel\t\t: 1\n"
+    )
+    assert k10temp_default_celsius(str(proc)) == expected
+
+
+def test_strix_halo_pages_at_its_own_limit_and_says_it_is_a_default(tmp_path: Path) -> None:
+    write_k10temp(tmp_path)
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    (proc / "cpuinfo").write_text(STRIX_HALO)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(HwmonCollector(str(tmp_path), procfs=str(proc), clock=FakeClock()))
+    labels = {"chip": "k10temp", "sensor": "Tctl", "source": "default"}
+    assert registry.get_sample_value("gpufleet_host_temperature_critical_celsius", labels) == 100
+    # The roster's word wins over any default.
+    assert crit(registry_of(tmp_path, thermal={"k10temp/Tctl": 97.0}), "k10temp", "Tctl") == 97
+    # No cpuinfo (or none given): the generic 90 °C.
+    assert k10temp_default_celsius(str(tmp_path / "nowhere")) == 90.0
+    assert k10temp_default_celsius(None) == 90.0

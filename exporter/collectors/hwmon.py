@@ -9,7 +9,9 @@ Two channels of one chip with the same label are told apart (`foosensor`, `foose
 see exporter/sources/hwmon.py), so no scrape has two samples with one label set.
 
 The critical value is the chip's own `temp<N>_crit`; else the roster's `thermal` entry for
-`chip/sensor`; else `DEFAULT_CRITICAL_CELSIUS`; else the series is absent. Its `source` label
+`chip/sensor`; else a default — for k10temp the AMD CPU's own Tjmax by generation and package
+(`k10temp_default_celsius`: 100 °C on Strix Halo and the other Zen 5 mobile APUs, 95 °C on
+Zen 4 and Zen 5 desktop/server, 90 °C otherwise); else the series is absent. Its `source` label
 says which (`hwmon`, `roster`, `default`): a default is our guess for a chip that reports no
 limit, not the hardware's word, and a dashboard or a person must be able to tell. The alert
 rules match on (host, instance, chip, sensor) and use all three alike.
@@ -46,6 +48,49 @@ from exporter.sources.sysfs import StaticValue, read_int
 DEFAULT_CRITICAL_CELSIUS: Mapping[str, float] = MappingProxyType(
     {"k10temp/Tctl": 90.0, "k10temp/Tdie": 90.0}
 )
+_K10TEMP_SENSORS = ("Tctl", "Tdie")
+# AMD's Tjmax differs by generation and by package (AMD's product pages, "Max. Operating
+# Temperature (Tjmax)"): 90 °C for most Zen 2/Zen 3 parts, 95 °C for Zen 4 (family 19h models
+# 10h-1Fh Genoa, 60h-7Fh Raphael/Phoenix, A0h-AFh Bergamo) and Zen 5 desktop and server parts,
+# 100 °C for the Zen 5 mobile APUs (family 1Ah models 20h-2Fh Strix Point, 60h-7Fh Krackan
+# and Strix Halo, "Ryzen AI Max"), whose small chassis run hot by design: a 90 °C default
+# paged critical at 85 °C under sustained inference there.
+_ZEN4_MODELS = (range(0x10, 0x20), range(0x60, 0x80), range(0xA0, 0xB0))
+_ZEN5_MOBILE_MODELS = (range(0x20, 0x30), range(0x60, 0x80))
+
+
+def k10temp_default_celsius(procfs: str | None) -> float:
+    """The default critical Tctl/Tdie for this machine's AMD CPU (`<procfs>/cpuinfo`).
+
+    None (no procfs given) or an unreadable or non-AMD cpuinfo: the generic 90 °C.
+    """
+    if procfs is None:
+        return DEFAULT_CRITICAL_CELSIUS["k10temp/Tctl"]
+    fields: dict[str, str] = {}
+    try:
+        with open(os.path.join(procfs, "cpuinfo"), encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, sep, value = line.partition(":")
+                if not sep:
+                    if fields:
+                        break  # the first CPU's block is enough
+                    continue
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        return DEFAULT_CRITICAL_CELSIUS["k10temp/Tctl"]
+    try:
+        family, model = int(fields["cpu family"]), int(fields["model"])
+    except (KeyError, ValueError):
+        return DEFAULT_CRITICAL_CELSIUS["k10temp/Tctl"]
+    if fields.get("vendor_id") != "AuthenticAMD":
+        return DEFAULT_CRITICAL_CELSIUS["k10temp/Tctl"]
+    if family == 0x1A:
+        return 100.0 if any(model in r for r in _ZEN5_MOBILE_MODELS) else 95.0
+    if family == 0x19 and any(model in r for r in _ZEN4_MODELS):
+        return 95.0
+    return DEFAULT_CRITICAL_CELSIUS["k10temp/Tctl"]
+
+
 EXCLUDED_CHIPS = frozenset({"amdgpu"})  # exported per GPU by the amd collector
 _NO_THERMAL: Mapping[str, float] = MappingProxyType({})
 
@@ -72,9 +117,15 @@ class HwmonCollector:
         thermal: Mapping[str, float] = _NO_THERMAL,
         rediscover_seconds: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
+        procfs: str | None = None,
     ) -> None:
         self._sysfs = sysfs
         self._thermal = dict(thermal)
+        # The CPU's own default for k10temp (read once: a CPU does not change under us);
+        # without a procfs root, the generic defaults.
+        k10temp = k10temp_default_celsius(procfs)
+        own = {f"k10temp/{sensor}": k10temp for sensor in _K10TEMP_SENSORS}
+        self._defaults = {**DEFAULT_CRITICAL_CELSIUS, **own}
         self._entries: frozenset[str] = frozenset()
         self._sensors: tuple[_Sensor, ...] = ()
         self._discover()
@@ -101,7 +152,7 @@ class HwmonCollector:
                     fallback = self._thermal.get(f"{chip.name}/{temp.sensor}")
                 if fallback is None:
                     source = "default"
-                    fallback = DEFAULT_CRITICAL_CELSIUS.get(f"{chip.name}/{temp.sensor}")
+                    fallback = self._defaults.get(f"{chip.name}/{temp.sensor}")
                 sensors.append(
                     _Sensor(label, temp.sensor, temp.input_path, temp.crit, fallback, source)
                 )

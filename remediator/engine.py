@@ -67,7 +67,6 @@ from remediator.prometheus_api import promql_holds
 
 log = logging.getLogger(__name__)
 
-HEALED = ("healed", "done_unverified")
 # After an unexpected error a loop waits this long before its next pass (no hot error loop).
 _LOOP_BACKOFF_SECONDS = 1.0
 

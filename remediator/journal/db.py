@@ -151,7 +151,7 @@ class Database:
             )
         self._dialect = self._engine.dialect.name
         try:
-            self._version = self._tx("open the schema", self._open_schema)
+            self._tx("open the schema", self._open_schema)
         except NewerSchemaError as exc:
             self._engine.dispose()
             raise JournalError(f"journal {self.safe_url}: {exc}") from None

@@ -66,7 +66,6 @@ from remediator.journal.schema import (
 
 FAILED_OUTCOMES = ("failed", "not_healed", "interrupted")
 HEALED_OUTCOMES = ("healed", "done_unverified")
-WAIT_REASONS = ("paused", "maintenance", "cooldown", "rate_limited", "busy", "locked")
 
 # How soon a waiting run is looked at again when nothing tells the engine sooner: a pause or
 # maintenance without an end, a busy fleet, a held target. Resume, the end of maintenance and

@@ -4,6 +4,7 @@
     gpu-fleet-remediator check-config --config FILE
     gpu-fleet-remediator replay FILE.json --config FILE [--dry-run]
     gpu-fleet-remediator runs --config FILE [--limit N] [--json] [--waiting]
+    gpu-fleet-remediator status --config FILE [--host HOST] [--json] [--color auto|always|never]
     gpu-fleet-remediator roster file-sd (--roster FILE | --config FILE)
     gpu-fleet-remediator init-config DIR [--roster FILE]
 
@@ -17,6 +18,11 @@ What people do, journaled with who (`cli:$USER`) and why (`--reason`):
 
 A config, roster or playbook that is not valid stops the command with exit status 2 and one
 line per problem, each naming the file and the key path.
+
+`status` exits 0 when it read both Prometheus and the journal, 3 when Prometheus could not be
+read (it says so; the journal's part is shown, the fleet's values are unknown), 1 when the
+journal could not be read (the fleet's part is shown), 2 for a bad config or an unknown
+`--host`. Colour only on a terminal (`--color auto`, the default), never with `NO_COLOR` set.
 """
 
 from __future__ import annotations
@@ -44,6 +50,9 @@ log = logging.getLogger("gpu-fleet-remediator")
 
 EXIT_CONFIG = 2
 EXIT_RUNTIME = 1
+EXIT_PARTIAL = 3
+"""`status`: Prometheus could not be read; the journal's part was shown."""
+STATUS_PROMETHEUS_TIMEOUT_SECONDS = 5.0
 DEFAULT_CONFIG = Path("/etc/gpu-fleet/remediator.yaml")
 
 
@@ -74,6 +83,15 @@ def _parser() -> argparse.ArgumentParser:
     runs.add_argument("--limit", type=int, default=20)
     runs.add_argument("--json", action="store_true", help="JSON instead of a table")
     runs.add_argument("--waiting", action="store_true", help="only the runs that wait")
+    status = with_config(sub.add_parser("status", help="the fleet at a glance"))
+    status.add_argument("--host", help="only this host (a roster name)")
+    status.add_argument("--json", action="store_true", help="JSON instead of a table")
+    status.add_argument(
+        "--color",
+        choices=["auto", "always", "never"],
+        default="auto",
+        help="colour the table: auto = only on a terminal, and not with NO_COLOR set",
+    )
 
     def acting(cmd: argparse.ArgumentParser) -> argparse.ArgumentParser:
         cmd.add_argument("--reason", default="", help="why (journaled with who did it)")
@@ -137,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         config = _load(args.config)
         if args.command == "check-config":
             return _check(config)
+        if args.command == "status":
+            return _status(config, args)
         if args.command == "replay":
             config = _replay_config(config, live=args.live)
         sandbox = args.command == "replay" and not args.live
@@ -339,6 +359,57 @@ def _runs(services: Services, limit: int, *, as_json: bool, waiting: bool = Fals
             f"{(run.playbook or '-')[:24]:24}  {(run.target or '-')[:28]:28}  {result}"
         )
     return 0
+
+
+def _use_color(choice: str) -> bool:
+    if choice != "auto":
+        return choice == "always"
+    # https://no-color.org: any non-empty NO_COLOR turns colour off.
+    if os.environ.get("NO_COLOR") or os.environ.get("TERM") == "dumb":
+        return False
+    return sys.stdout.isatty()
+
+
+def _status(config: RemediatorConfig, args: argparse.Namespace) -> int:
+    """The fleet at a glance (`remediator.fleet_status`): Prometheus' side and the journal's."""
+    from remediator.fleet_status import as_json, gather, render_text  # noqa: PLC0415
+
+    roster = load_roster(config.roster)
+    if args.host is not None and args.host not in roster.hosts:
+        known = ", ".join(sorted(roster.hosts)) or "none"
+        print(
+            f"gpu-fleet-remediator: no host {args.host!r} in the roster (hosts: {known})",
+            file=sys.stderr,
+        )
+        return EXIT_CONFIG
+    services: Services | None = None
+    journal_error = None
+    try:
+        services = build_services(config, with_engine=False)
+    except JournalError as exc:
+        journal_error = str(exc)
+    try:
+        status = gather(
+            services.journal if services is not None else None,
+            roster,
+            config.prometheus_url,
+            host=args.host,
+            timeout_seconds=STATUS_PROMETHEUS_TIMEOUT_SECONDS,
+            journal_error=journal_error,
+        )
+    finally:
+        if services is not None:
+            services.close()
+    if args.json:
+        print(json.dumps(as_json(status), indent=2, ensure_ascii=False))
+    else:
+        sys.stdout.write(render_text(status, color=_use_color(args.color)))
+    if status.prometheus_error is not None:
+        print(f"gpu-fleet-remediator: {status.prometheus_error}", file=sys.stderr)
+    if status.journal_error is not None:
+        print(f"gpu-fleet-remediator: journal: {status.journal_error}", file=sys.stderr)
+        return EXIT_RUNTIME
+    return EXIT_PARTIAL if status.prometheus_error is not None else 0
 
 
 def _file_sd(args: argparse.Namespace) -> int:

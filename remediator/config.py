@@ -28,6 +28,9 @@ The keys are fixed by DESIGN.md ("The remediator's config"); the last block adds
              wait_report_after_seconds: 300}  # a short report once it waited this long
     lock_ttl_seconds: 900                     # a silent replica's running runs free their targets
     web_config_file: /etc/gpu-fleet/remediator-web.yml   # optional: TLS for the listener
+    ui:                                       # optional: the read-only page at /ui/
+      username: ui                            # basic auth (default shown)
+      password_file: /etc/gpu-fleet/ui.password   # the password, or its bcrypt hash ($2b$…)
     dedupe_window_seconds: 600                # copies of an alert whose startsAt differ by less
                                               # are one occurrence (HA Prometheus pairs)
 
@@ -57,7 +60,8 @@ from files"), and so is a password inside the journal URL (libpq reads it from a
 `postgresql://remediator@db/journal?passfile=/etc/gpu-fleet/pgpass`). Secret files are checked
 at load (exist, readable, not empty); their content is read by `read_secret` and never logged.
 The admin secret must differ from the webhook's (not the same file, not the same content):
-Alertmanager's credentials, which sit in its own config, must not open the admin API.
+Alertmanager's credentials, which sit in its own config, must not open the admin API. The
+page's password must differ from both (a browser remembers it; neither may be what it holds).
 """
 
 from __future__ import annotations
@@ -361,6 +365,41 @@ class BasicAuthSettings(_Strict):
         return value
 
 
+BCRYPT_HASH = re.compile(r"^\$2[aby]\$(0[4-9]|[12][0-9]|3[01])\$[./A-Za-z0-9]{53}$")
+"""A bcrypt hash as `htpasswd -nBC 10` writes it (the exporter's web config takes the same)."""
+
+
+def _ui_password_file(value: Path, info: ValidationInfo) -> Path:
+    path = _secret_file(value, info)
+    text = _readable_text(path).strip()
+    if text.startswith("$2") and not BCRYPT_HASH.match(text):
+        # The message never echoes the file's content.
+        raise ValueError(
+            f"{path}: starts like a bcrypt hash but is not one ($2b$, $2a$ or $2y$, cost "
+            "04-31, 60 characters): see `htpasswd -nBC 10 \"\" | tr -d ':\\n'`"
+        )
+    return path
+
+
+class UiSettings(_Strict):
+    """The read-only page's credential: basic auth (a browser sends it by itself).
+
+    `password_file` holds the password, or its bcrypt hash (then the password never sits on
+    the remediator's disk; a changed hash needs a restart, a changed password does not).
+    """
+
+    username: str = Field(default="ui", min_length=1, max_length=200)
+    password_file: Annotated[Path, AfterValidator(_ui_password_file)]
+
+    @field_validator("username")
+    @classmethod
+    def _no_colon(cls, value: str) -> str:
+        # RFC 7617: the user-id ends at the first colon; one inside could never match.
+        if ":" in value or value != value.strip():
+            raise ValueError("must not contain ':' or surrounding spaces")
+        return value
+
+
 class AuthSettings(_Strict):
     """Credentials clients must present: a bearer token or basic auth, exactly one."""
 
@@ -530,6 +569,8 @@ class RemediatorConfig(_Strict):
     # TLS (and headers, and basic auth for /metrics) of the listener: the exporter's
     # --web.config.file format, checked at load by the exporter's own code (remediator/front.py).
     web_config_file: ReadableFile | None = None
+    # The read-only page (remediator/ui.py); without it /ui/ answers 404.
+    ui: UiSettings | None = None
     ssh: SshClientSettings = SshClientSettings()
     node_command: list[str] = Field(default=["gpu-fleet-node"], min_length=1, max_length=16)
     http_request: HttpRequestSettings = HttpRequestSettings()
@@ -640,6 +681,45 @@ def _same_secret_problem(data: Mapping[str, Any], base_dir: Path) -> str | None:
     return None
 
 
+def _ui_secret_problems(data: Mapping[str, Any], base_dir: Path) -> list[str]:
+    """Why `ui`'s password may not be used: the same file or secret as `auth` or `admin`."""
+    if data.get("ui") is None:
+        return []
+    context = {"base_dir": base_dir}
+    try:
+        ui = UiSettings.model_validate(data.get("ui"), context=context)
+    except ValidationError:
+        return []  # its own problems are reported by the full validation
+    try:
+        page_secret = read_secret(ui.password_file)
+    except ConfigError:
+        return []
+    problems = []
+    for key in ("auth", "admin"):
+        try:
+            other = AuthSettings.model_validate(data.get(key), context=context)
+            other_secret = read_secret(other.secret_file())
+        except (ValidationError, ConfigError):
+            continue
+        try:
+            same_file = os.path.samefile(ui.password_file, other.secret_file())
+        except OSError:
+            same_file = ui.password_file == other.secret_file()
+        if BCRYPT_HASH.match(page_secret):
+            import bcrypt  # noqa: PLC0415 - only a hashed page password needs it
+
+            secret = other_secret.encode()
+            same = len(secret) <= 72 and bcrypt.checkpw(secret, page_secret.encode())
+        else:
+            same = _same(page_secret, other_secret)
+        if same_file or same:
+            problems.append(
+                f"the page's password is {key}'s secret ({other.secret_file()}): the page "
+                f"needs its own, or a browser would hold {key}'s"
+            )
+    return problems
+
+
 def load_config(path: Path) -> RemediatorConfig:
     """Read and validate the config file; `ConfigError` lists every problem, one per line."""
     try:
@@ -665,6 +745,7 @@ def load_config(path: Path) -> RemediatorConfig:
     same = _same_secret_problem(data, base_dir)
     if same is not None:
         problems.append(("admin", same))
+    problems += [("ui.password_file", line) for line in _ui_secret_problems(data, base_dir)]
     if config is not None and config.web_config_file is not None:
         from exporter.webconfig import WebConfigError, load_web_config  # noqa: PLC0415
 

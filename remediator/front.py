@@ -73,6 +73,8 @@ def _handler(path: str) -> str:
         return "api"
     if path in ("/healthz", "/metrics"):
         return path[1:]
+    if path == "/ui" or path.startswith("/ui/"):
+        return "ui"
     return "other"
 
 

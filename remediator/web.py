@@ -15,6 +15,10 @@
 Every act of a person is journaled with who (the admin credential's name: its basic-auth
 user, `admin` for a bearer token) and why (`reason`).
 
+`GET /ui/` is the remediator's read-only page (`remediator.ui`), and `GET /ui/runs/<id>/chart.png`
+the chart of a run's report: HTTP basic auth with the `ui` credential (never the webhook's or the
+admin API's); off (404) without a `ui` section in the config.
+
 `GET /healthz` answers 503 while a background loop is dead or the journal cannot write.
 """
 
@@ -25,13 +29,16 @@ from dataclasses import asdict
 from datetime import datetime
 from typing import Any
 
-from flask import Flask, Response, jsonify, request
+from flask import Flask, Response, jsonify, redirect, request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from remediator import fleet_status, ui
 from remediator.alerts import as_utc
 from remediator.config import Credential, RemediatorConfig
 from remediator.journal import JournalError, RunRecord, RunStateError
-from remediator.service import Services, build_services
+from remediator.notify import graph
+from remediator.notify.report import Reporter, ReportSettings
+from remediator.service import FILE_REPORTS_STREAM, Services, build_services, report_settings
 from remediator.webhook import WebhookEndpoint
 
 log = logging.getLogger(__name__)
@@ -58,6 +65,110 @@ def _unauthorized(credential: Credential) -> Response:
     response.status_code = 401
     response.headers["WWW-Authenticate"] = credential.www_authenticate
     return response
+
+
+PAGE_RUNS = 30
+"""Runs the page shows (`?limit=` up to `PAGE_RUNS_MAX`)."""
+PAGE_RUNS_MAX = 200
+PAGE_PROMETHEUS_TIMEOUT_SECONDS = 3.0
+_PAGE_HEADERS = {
+    "Content-Security-Policy": ui.CSP,
+    "X-Content-Type-Options": "nosniff",
+    "X-Frame-Options": "DENY",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-store",
+}
+
+
+def _page_routes(app: Flask, config: RemediatorConfig, services: Services) -> None:
+    """`/ui/` and its charts, behind the page's own credential (none configured: 404)."""
+    credential = ui.page_credential(config.ui)
+    journal = services.journal
+    # The reports as the engine renders them; without a zulip section, as the file reports are.
+    reporter = Reporter(
+        report_settings(config) or ReportSettings(stream=FILE_REPORTS_STREAM, topics={}),
+        services.roster,
+    )
+    if credential is not None and config.web_config_file is None:
+        host, _ = config.listen_address()
+        if host not in ("127.0.0.1", "::1", "localhost"):
+            log.warning(
+                "the page's password crosses the network in clear: %s is not loopback "
+                "and there is no web_config_file with TLS",
+                config.listen,
+            )
+
+    def page_only() -> Response | None:
+        if credential is None:
+            return Response(
+                "the page is off: give the config a `ui` section\n",
+                404,
+                content_type="text/plain; charset=utf-8",
+            )
+        if not credential.check(request.headers.get("Authorization")):
+            return Response(
+                "401 Unauthorized: the page needs the `ui` user's password\n",
+                401,
+                {"WWW-Authenticate": credential.www_authenticate, **_PAGE_HEADERS},
+                content_type="text/plain; charset=utf-8",
+            )
+        return None
+
+    def report_of(run: RunRecord) -> tuple[str | None, dict[str, Any] | None]:
+        if run.state != "done":
+            return None, None  # a report is written when a run ends
+        [first, *_] = reporter.run_report(run)
+        return first.content, dict(first.graph) if first.graph else None
+
+    @app.get("/ui")
+    def page_redirect() -> Response:
+        return redirect("/ui/", code=308)  # type: ignore[return-value]
+
+    @app.get("/ui/")
+    def page() -> Response:
+        if (denied := page_only()) is not None:
+            return denied
+        limit = min(
+            max(request.args.get("limit", default=PAGE_RUNS, type=int) or PAGE_RUNS, 1),
+            PAGE_RUNS_MAX,
+        )
+        status = fleet_status.gather(
+            journal,
+            services.roster,
+            config.prometheus_url,
+            timeout_seconds=PAGE_PROMETHEUS_TIMEOUT_SECONDS,
+        )
+        views = []
+        try:
+            runs = journal.recent_runs(limit)
+        except JournalError:
+            runs = []  # said on the page: status.journal_error
+        for run in runs:
+            content, spec = report_of(run)
+            views.append(ui.RunView(run, content, spec is not None))
+        body = ui.render_page(status, views)
+        return Response(body, 200, _PAGE_HEADERS, content_type="text/html; charset=utf-8")
+
+    @app.get("/ui/runs/<int:run_id>/chart.png")
+    def page_chart(run_id: int) -> Response:
+        if (denied := page_only()) is not None:
+            return denied
+        run = journal.get_run(run_id)
+        spec = report_of(run)[1] if run is not None else None
+        picture = graph.draw(config.prometheus_url, spec) if spec is not None else None
+        if picture is None:
+            return Response(
+                f"run {run_id} has no chart (no report with a query, or no data)\n",
+                404,
+                _PAGE_HEADERS,
+                content_type="text/plain; charset=utf-8",
+            )
+        headers = dict(_PAGE_HEADERS)
+        end = datetime.fromisoformat(str(spec["end"])) if spec is not None else None
+        if end is not None and end < datetime.now(end.tzinfo):
+            # The window is over: the picture no longer changes; spare Prometheus the redraws.
+            headers["Cache-Control"] = "private, max-age=3600"
+        return Response(picture.png, 200, headers, content_type="image/png")
 
 
 def create_app(config: RemediatorConfig, services: Services | None = None) -> Flask:
@@ -207,6 +318,8 @@ def create_app(config: RemediatorConfig, services: Services | None = None) -> Fl
         except RunStateError as exc:
             return jsonify(error=str(exc)), 409
         return jsonify(run=run_id, cancelled=True)
+
+    _page_routes(app, config, services)
 
     @app.errorhandler(JournalError)
     def journal_down(exc: JournalError) -> tuple[Response, int]:

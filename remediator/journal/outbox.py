@@ -110,6 +110,16 @@ class Outbox(Database):
         rows = self._tx("read the outbox", lambda conn: conn.execute(query).all(), write=False)
         return [self._outbox_entry(row) for row in rows]
 
+    def outbox_failures(self, limit: int = 20) -> list[OutboxEntry]:
+        """The reports Zulip refused for good (state `failed`), newest first (the page, status)."""
+        query = (
+            sa.select(outbox).where(outbox.c.state == "failed").order_by(outbox.c.id.desc())
+            .limit(limit)
+        )  # fmt: skip
+        rows = self._tx("read the failed reports", lambda conn: conn.execute(query).all(),
+                        write=False)  # fmt: skip
+        return [self._outbox_entry(row) for row in rows]
+
     def outbox_begin_send(self, entry_id: int) -> bool:
         """Mark an unsent entry `sending` before it goes out; False if it is not unsent any more.
 

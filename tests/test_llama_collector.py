@@ -20,7 +20,7 @@ from exporter.canary import CanaryCollector, CanaryProbe
 from exporter.collectors.base import CollectorError
 from exporter.collectors.llama import LlamaCollector
 from exporter.roster import Canary, Server
-from tests.llama_lab import StartLlamaServer, wait_until
+from tests.llama_lab import StartLlamaServer, free_port, wait_until
 from tests.vllm_stand_in import VllmStandIn
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
@@ -117,6 +117,7 @@ def test_idle_server(llama_server: StartLlamaServer, collectors: Made) -> None:
     assert labels["alias"] == "tiny" and labels["role"] == "gpu-dense"
     # The pinned build comes from a source package: its build_info "b0-unknown" is no version.
     assert labels["model"] == "tiny-test" and labels["build"] == ""
+    assert labels["gpu"] == ""  # the roster gives none: no label in Prometheus
     assert s.get("gpufleet_llama_sleeping", server="alpha") == 0
     assert "instance" not in labels and "host" not in labels
     assert s.get("gpufleet_llama_context_tokens", server="alpha") == 512  # per slot
@@ -227,6 +228,28 @@ def test_killed_and_frozen_servers_cost_one_timeout(
     }
     frozen.thaw()
     assert scrape(collector).health("frozen") == "ok"
+
+
+def test_the_info_series_names_the_roster_gpu_while_down(collectors: Made) -> None:
+    # The rules copy `gpu` onto the server's alerts, so that GpuLost inhibits the servers of
+    # the lost card only: from the roster, so there when the server is down (refused here),
+    # which is when it counts. Without a roster gpu the label is empty (no label).
+    on_0, on_1, cpu = (f"http://127.0.0.1:{free_port()}" for _ in range(3))
+    s = scrape(
+        make(
+            collectors,
+            a=entry(on_0, gpu=0, timeout_seconds=0.5),
+            b=entry(on_1, gpu=1, timeout_seconds=0.5),
+            c=entry(cpu, timeout_seconds=0.5),
+        )
+    )
+    assert {server: s.health(server) for server in "abc"} == dict.fromkeys("abc", "unreachable")
+    info = {
+        dict(labels)["server"]: dict(labels)["gpu"]
+        for (name, labels) in s.samples
+        if name == "gpufleet_llama_info"
+    }
+    assert info == {"a": "0", "b": "1", "c": ""}
 
 
 def test_loading_reads_as_down_with_state_loading(

@@ -47,7 +47,12 @@ PER_SERVER_SAMPLES: tuple[tuple[str, dict[str, str]], ...] = (
 
 
 def roster_server(
-    url: str, *, timeout: float = 2.0, key_file: Path | None = None, model: str = "Qwen3-32B-AWQ"
+    url: str,
+    *,
+    timeout: float = 2.0,
+    key_file: Path | None = None,
+    model: str = "Qwen3-32B-AWQ",
+    gpu: int | None = None,
 ) -> Server:
     return Server(
         engine="vllm",
@@ -55,6 +60,7 @@ def roster_server(
         unit="vllm@gamma.service",
         role="gpu-dense",
         model=model,
+        gpu=gpu,
         api_key_file=key_file,
         timeout_seconds=timeout,
     )
@@ -157,9 +163,31 @@ def test_sums_over_engines_and_averages_the_cache_ratio(
     assert value(registry, f"{ttft}_sum") == pytest.approx(369.601703995856 + 470.43044363770315)
     assert (
         value(registry, "gpufleet_vllm_info", role="gpu-dense", model="Qwen3-32B-AWQ",
-              served_model=MODEL)
+              served_model=MODEL, gpu="")
         == 1.0
     )  # fmt: skip
+
+
+def test_the_info_series_names_the_roster_gpu_up_or_down(
+    make: MakeCollector, stand_in: MakeStandIn
+) -> None:
+    # The rules copy `gpu` onto the server's alerts (GpuLost inhibits the servers of its card):
+    # it comes from the roster, so it is there while the server is down too.
+    up, down = stand_in(), stand_in()
+    down.stop()
+    collector = make(
+        {"gamma": roster_server(up.url, gpu=1), "delta": roster_server(down.url, gpu=0)}
+    )
+    registry, error = scrape(collector)
+    assert error is None
+    assert value(registry, "gpufleet_vllm_up", "delta") == 0.0
+    info = {
+        sample.labels["server"]: sample.labels["gpu"]
+        for family in registry.collect()
+        if family.name == "gpufleet_vllm_info"
+        for sample in family.samples
+    }
+    assert info == {"gamma": "1", "delta": "0"}
 
 
 def test_hung_server_costs_one_timeout_and_spares_the_other(
@@ -188,7 +216,7 @@ def test_hung_server_costs_one_timeout_and_spares_the_other(
     assert value(registry, "gpufleet_vllm_requests_running", "delta") is None
     assert (
         value(registry, "gpufleet_vllm_info", "delta", role="gpu-dense", model="Qwen3-32B-AWQ",
-              served_model="")
+              served_model="", gpu="")
         == 1.0
     )  # fmt: skip
 
@@ -243,7 +271,7 @@ def test_stopped_server_is_down_without_endpoint_series(
     # The served model seen before stays on the info series: no label churn on a restart.
     assert (
         value(registry, "gpufleet_vllm_info", role="gpu-dense", model="Qwen3-32B-AWQ",
-              served_model=MODEL)
+              served_model=MODEL, gpu="")
         == 1.0
     )  # fmt: skip
 
@@ -370,7 +398,7 @@ def test_older_metric_names(make: MakeCollector, stand_in: MakeStandIn) -> None:
     assert value(registry, "gpufleet_vllm_time_to_first_token_seconds_count") == 213.0
     assert (
         value(registry, "gpufleet_vllm_info", role="gpu-dense", model="Qwen2.5-14B",
-              served_model="Qwen/Qwen2.5-14B-Instruct")
+              served_model="Qwen/Qwen2.5-14B-Instruct", gpu="")
         == 1.0
     )  # fmt: skip
 

@@ -261,8 +261,9 @@ _FAMILIES: tuple[Family, ...] = (
     Family(
         "gpufleet_llama_info",
         GAUGE,
-        "The server's identity: roster role and model, llama-server's alias and build.",
-        ("server", "role", "model", "alias", "build"),
+        "The server's identity: roster role, model and gpu (its card; empty when the roster gives "
+        "none), llama-server's alias and build.",
+        ("server", "role", "model", "alias", "build", "gpu"),
     ),
     Family(
         "gpufleet_llama_endpoint",
@@ -372,9 +373,9 @@ _FAMILIES: tuple[Family, ...] = (
     Family(
         "gpufleet_vllm_info",
         GAUGE,
-        "vLLM server identity; the value is 1. role and model from the roster, served_model is "
-        "vLLM's model_name.",
-        ("server", "role", "model", "served_model"),
+        "vLLM server identity; the value is 1. role, model and gpu (its card; empty when the "
+        "roster gives none) from the roster, served_model is vLLM's model_name.",
+        ("server", "role", "model", "served_model", "gpu"),
     ),
     Family("gpufleet_vllm_up", GAUGE, "1 when vLLM's /health answered 200.", ("server",)),
     Family(

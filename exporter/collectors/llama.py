@@ -25,8 +25,8 @@ Sample output (server `alpha`, generating on one of two slots)::
 
     gpufleet_llama_up{server="alpha"} 1.0
     gpufleet_llama_sleeping{server="alpha"} 0.0
-    gpufleet_llama_info{alias="gemma",build="b6100-1a2b3c4",model="Gemma4-31B-QAT-Q4_K_M",
-                        role="gpu-dense",server="alpha"} 1.0
+    gpufleet_llama_info{alias="gemma",build="b6100-1a2b3c4",gpu="0",
+                        model="Gemma4-31B-QAT-Q4_K_M",role="gpu-dense",server="alpha"} 1.0
     gpufleet_llama_slots{served_model="",server="alpha",state="busy"} 1.0
     gpufleet_llama_decode_calls_total{served_model="",server="alpha"} 1630.0
     gpufleet_llama_slot_decoded_tokens{served_model="",server="alpha",slot="0"} 1634.0
@@ -314,9 +314,12 @@ class LlamaCollector:
             state.alias, state.build = props.alias, props.build
             if props.is_sleeping is not None and not props.router:
                 f["gpufleet_llama_sleeping"].add_metric([name], 1.0 if props.is_sleeping else 0)
-        # Identity even while down: the role and model say what is missing.
+        # Identity even while down: the role and model say what is missing, `gpu` (the roster's;
+        # "", no label, where it gives none) which card's loss explains it: the rules copy it
+        # onto the server's alerts, for GpuLost's inhibition per card.
+        gpu = "" if server.gpu is None else str(server.gpu)
         f["gpufleet_llama_info"].add_metric(
-            [name, server.role, server.model, state.alias, state.build], 1.0
+            [name, server.role, server.model, state.alias, state.build, gpu], 1.0
         )
         if not up:
             state.targets.clear()  # a restarted server starts its task ids again

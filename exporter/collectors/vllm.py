@@ -2,8 +2,8 @@
 
 Sample output (`tests/golden/vllm_v1.prom`: one vLLM with two data-parallel engines)::
 
-    gpufleet_vllm_info{model="Qwen3-32B-AWQ",role="gpu-dense",served_model="Qwen/Qwen3-32B-AWQ",
-                       server="gamma"} 1.0
+    gpufleet_vllm_info{gpu="",model="Qwen3-32B-AWQ",role="gpu-dense",
+                       served_model="Qwen/Qwen3-32B-AWQ",server="gamma"} 1.0
     gpufleet_vllm_up{server="gamma"} 1.0
     gpufleet_vllm_endpoint{endpoint="metrics",server="gamma",state="ok"} 1.0
     gpufleet_vllm_endpoint{endpoint="metrics",server="gamma",state="busy"} 0.0
@@ -295,7 +295,10 @@ class VllmCollector:
         served = _served_model(read.samples)
         if served:
             memory.served_model = served
-        f.info.add_metric([name, server.role, server.model, memory.served_model], 1.0)
+        # `gpu`: the roster's card ("", no label, where it gives none), which the rules copy
+        # onto the server's alerts for GpuLost's inhibition per card.
+        gpu = "" if server.gpu is None else str(server.gpu)
+        f.info.add_metric([name, server.role, server.model, memory.served_model, gpu], 1.0)
         f.up.add_metric([name], 1.0 if up else 0.0)
         self._log_status(name, memory, f"down ({health_detail})" if not up else read.state, read)
         if not up:

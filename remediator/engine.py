@@ -46,6 +46,7 @@ from remediator.actions.registry import (
 )
 from remediator.actions.settings import ActionSettings
 from remediator.alerts import Alert
+from remediator.doorbell import Doorbell
 from remediator.firing import FiringCheck
 from remediator.journal import (
     AlertRecord,
@@ -203,7 +204,8 @@ class Engine:
         self.metrics = metrics
         self.firing = firing if firing is not None else FiringCheck(settings.prometheus_url)
         self._clock = clock
-        self._wake = threading.Event()  # runs are queued or became due
+        # Runs are queued or became due: one ring wakes one worker (remediator/doorbell.py).
+        self._wake = Doorbell(limit=max(1, settings.workers))
         self._stop = threading.Event()
         self._loops: list[Loop] = []
         # The runs acting now, with their cancel flags (set at stop).
@@ -269,7 +271,7 @@ class Engine:
             count += 1
         if count:
             self._reported()
-            self._wake.set()
+            self._wake.ring()
         return count
 
     def _target_of(self, run: RunRecord) -> Target | None:
@@ -382,7 +384,7 @@ class Engine:
         with self._active_lock:
             for cancel in self._active.values():
                 cancel.set()
-        self._wake.set()
+        self._wake.ring_all()
         deadline = time.monotonic() + timeout
         for loop in self._loops:
             loop.join(max(0.0, deadline - time.monotonic()))
@@ -406,7 +408,7 @@ class Engine:
 
     def wake(self) -> None:
         """Runs were admitted or became due: a sleeping worker looks now."""
-        self._wake.set()
+        self._wake.ring()
 
     def _work_once(self) -> None:
         if not self._identity_lost and self.process_one():
@@ -417,7 +419,6 @@ class Engine:
         if due is not None:
             pause = max(0.05, min(pause, (due - self._clock()).total_seconds()))
         self._wake.wait(pause)
-        self._wake.clear()
 
     def _heartbeat_once(self) -> None:
         # Another replica must be able to tell a live run from a dead one. The same loop
@@ -473,6 +474,9 @@ class Engine:
         run = self.journal.claim_next_run()
         if run is None:
             return False
+        # Another run may be due as well: the next sleeping worker looks for it while this
+        # one acts (a ring wakes one worker; the chain ends at one that finds nothing).
+        self._wake.ring()
         try:
             self.handle(run)
         except JournalError:
@@ -704,7 +708,7 @@ class Engine:
             log.error("circuit breaker opened for %s: %s", target.key, why)
         for step_why in effects.escalations:
             self._step_escalation(final, playbook, target, step_why)
-        self._wake.set()  # runs that waited for this target or place are due
+        self._wake.ring()  # runs that waited for this target or place are due
         if reports or opened or effects.escalations:
             self._reported()
         self.metrics.runs.labels(playbook.name, outcome).inc()

@@ -130,7 +130,7 @@ class Admissions(Runs):
                         closed += ended
             return Admission(notification_id, new_runs, duplicates, resolved, closed)
 
-        return self._tx("admit a notification", body)
+        return self._tx("admit a notification", body, urgent=True)
 
     def reject_notification(self, raw: bytes, reason: str) -> int:
         """Keep a body that failed admission in an unforeseen way, with the reason; its id.
@@ -165,7 +165,7 @@ class Admissions(Runs):
             )
             return notification_id
 
-        return self._tx("journal a refused notification", body)
+        return self._tx("journal a refused notification", body, urgent=True)
 
     # -- one alert ---------------------------------------------------------------------------
 

@@ -10,6 +10,10 @@ Writers take the write lock when they begin (SQLite `BEGIN IMMEDIATE`), so a tra
 reads and then writes never fails half-way on a lock upgrade; `_serialise(conn)` additionally
 makes the transaction the only one of its kind fleet-wide on PostgreSQL (a transaction-level
 advisory lock), which is how the rails decide "may this act now?" without check-then-act.
+
+This process's SQLite writers queue on `WriterLock`, where a webhook's admission
+(`_tx(..., urgent=True)`) goes ahead of the engine's own transactions: Alertmanager waits for
+the answer, a worker's claim does not (see the class).
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Callable, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
@@ -106,6 +111,74 @@ def bound_output(text: str, limit: int = STEP_OUTPUT_MAX_BYTES) -> str:
     return f"{head}\n… [{cut} bytes cut] …\n{tail}"
 
 
+class WriterLock:
+    """The process's one SQLite writer: admissions first, the engine's writers after.
+
+    SQLite has one writer at a time. A webhook's admission holds it for about a millisecond,
+    but a worker's claim or decision, sharing 2 cores and the GIL with the runs it starts,
+    can hold it for ten; with a plain FIFO lock an admission also waited for every worker
+    transaction queued before it (issue 12's benchmark: a sequential p99 8-15x the floor's).
+    Here the holder, when it lets go, hands the lock to the oldest waiting admission, then to
+    the oldest other writer. An admission never pre-empts a holder (a transaction is never
+    cut short), and no writer starves: one that has waited `patience` seconds goes before
+    admissions. The order of the engine's own writers among themselves stays first come,
+    first served.
+    """
+
+    def __init__(self, patience: float = 0.05) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._patience = patience
+        self._held = False
+        self._waiting: list[_Waiter] = []
+
+    @contextlib.contextmanager
+    def hold(self, *, urgent: bool) -> Iterator[None]:
+        """Hold the writer for the block; `urgent`: an admission, which goes first."""
+        with self._cond:
+            if not self._held:
+                self._held = True
+            else:
+                waiter = _Waiter(time.monotonic(), urgent)
+                self._waiting.append(waiter)
+                try:
+                    while not waiter.granted:
+                        self._cond.wait()
+                except BaseException:
+                    if waiter.granted:  # handed over just now: pass it on
+                        self._hand_over()
+                    else:
+                        self._waiting.remove(waiter)
+                    raise
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._hand_over()
+
+    def _hand_over(self) -> None:
+        # Called with the condition held, by the holder: the next holder is chosen here, once,
+        # so waiters never disagree about whose turn it is.
+        if not self._waiting:
+            self._held = False
+            return
+        now = time.monotonic()
+        overdue = [w for w in self._waiting if not w.urgent and now - w.since >= self._patience]
+        urgent = [w for w in self._waiting if w.urgent]
+        chosen = (overdue or urgent or self._waiting)[0]
+        self._waiting.remove(chosen)
+        chosen.granted = True
+        self._cond.notify_all()
+
+
+class _Waiter:
+    __slots__ = ("granted", "since", "urgent")
+
+    def __init__(self, since: float, urgent: bool) -> None:
+        self.since = since
+        self.urgent = urgent
+        self.granted = False
+
+
 class Database:
     """One SQLite or PostgreSQL database, its schema migrated; safe to share between threads.
 
@@ -128,7 +201,7 @@ class Database:
         # its own instead of SQLite's busy handler, which polls with sleeps of up to 100 ms
         # and turned a burst of concurrent webhooks into a long tail (bench/webhook.py).
         # Writers of other processes (a `replay`, a second replica) still meet busy_timeout.
-        self._writer: threading.Lock | None = None
+        self._writer: WriterLock | None = None
         try:
             parsed = make_url(url)
         except (sa.exc.ArgumentError, ValueError):
@@ -192,7 +265,7 @@ class Database:
                 ) from None
         engine = sa.create_engine(url, **options)
         if not memory:
-            self._writer = threading.Lock()
+            self._writer = WriterLock()
 
         @sa_event.listens_for(engine, "connect")
         def _on_connect(dbapi_connection: Any, connection_record: Any) -> None:
@@ -266,14 +339,25 @@ class Database:
 
     # -- transactions ------------------------------------------------------------------------
 
-    def _tx(self, what: str, body: Callable[[Connection], T], *, write: bool = True) -> T:
-        """Run `body` in one transaction (retried on a deadlock); errors -> JournalError."""
-        serial: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
-        if self._serial is not None:
-            serial = self._serial
-        elif write and self._writer is not None:
-            serial = self._writer
+    def _tx(
+        self,
+        what: str,
+        body: Callable[[Connection], T],
+        *,
+        write: bool = True,
+        urgent: bool = False,
+    ) -> T:
+        """Run `body` in one transaction (retried on a deadlock); errors -> JournalError.
+
+        `urgent`: a webhook's admission, which goes ahead of this process's other SQLite
+        writers (`WriterLock`).
+        """
         for attempt in range(1, ATTEMPTS + 1):
+            serial: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+            if self._serial is not None:
+                serial = self._serial
+            elif write and self._writer is not None:
+                serial = self._writer.hold(urgent=urgent)
             try:
                 with serial, self._engine.connect() as conn:
                     conn.execution_options(journal_write=write)

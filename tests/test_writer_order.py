@@ -110,7 +110,11 @@ def test_a_writer_that_fails_inside_lets_the_next_one_in() -> None:
 
 
 def _sleeper(bell: Doorbell, woke: list[str], name: str) -> threading.Thread:
-    thread = threading.Thread(target=lambda: bell.wait(30) and woke.append(name), daemon=True)
+    def body() -> None:
+        if bell.wait(30):
+            woke.append(name)
+
+    thread = threading.Thread(target=body, daemon=True)
     thread.start()
     return thread
 

@@ -1,45 +1,82 @@
-"""The picture of an incident: the metric that fired, around the time it fired, as a small PNG.
+"""The picture of an incident: the metric that fired, its threshold, and what was done, as a PNG.
 
 `draw(prometheus_url, spec)` asks Prometheus for `query_range` (`GET /api/v1/query_range`,
 Prometheus docs "HTTP API": `{"status": "success", "data": {"resultType": "matrix",
 "result": [{"metric": {...}, "values": [[ts, "1"], ...]}]}}`) over the spec's window and
-draws up to `MAX_SERIES` lines on a light grid, the incident's span shaded. The PNG is written
-here with `zlib` (filter 0 rows, one IDAT chunk, RGB): a 480 x 160 picture needs no imaging
-library. Anything that goes wrong (Prometheus down, an error answer, no data) returns None
-with the reason logged: the report then goes out without a picture.
+draws it with matplotlib (the Agg canvas, no pyplot: no global figure state):
+
+- the time axis in UTC (the date under it), the value axis in the series' unit
+  (`remediator.notify.units`: °C, W, GiB, %, tok/s) with the unit on each tick;
+- up to `MAX_SERIES` lines, the legend naming each by the labels that tell them apart (on one
+  GPU's host: `gpu=0`, `gpu=1`), the labels they share in the title;
+- the alert's threshold as a dashed red line named at its right end: a number (`threshold`),
+  or a PromQL expression (`threshold_query`) drawn over the same window, since a threshold may
+  move (a critical value per sensor, a baseline);
+- the incident (`marked`: from the alert to the run's end) shaded, and each step that changed
+  something (`steps`: drain, restart, power cap) as a dotted line at its start, numbered as in
+  the report's table.
+
+The report (`remediator.notify.report`) writes the spec; its keys:
+
+    {"query": "...", "start": iso, "end": iso, "marked": [iso, iso],
+     "threshold": 85.0 | "threshold_query": "...", "threshold_label": "...",
+     "steps": [{"at": iso, "label": "2 drain"}]}
+
+Size: `WIDTH` x `HEIGHT` = 800 x 400 px. Zulip shows an uploaded image inline as a preview
+scaled into a box about 150 CSS px high on the web (30 % of the screen's height in the mobile
+app), and full size on a click. At 2:1 the preview is about 300 x 150 CSS px; the text is
+14-15 pt at 100 dpi (19-21 px, a twentieth of the height), so it is still 7-8 CSS px there, and
+twice that on the high-density screens most phones have; the lines are 2.5 px for the same
+reason. A wider picture would shrink further into the same box.
+
+matplotlib is imported in `render` only, when a picture is drawn: it is in the `report` extra,
+and nothing on a GPU host (the exporter, `gpu-fleet-node`) ever loads it. Without it, or when
+anything else goes wrong (Prometheus down, an error answer, no data), `draw` returns None with
+the reason logged: the report then goes out without a picture.
+
+Check by hand: `python -c "from remediator.notify.graph import draw; ..."` with a spec, or
+`pytest tests/test_notify_graph.py` and look at `tests/golden/*.png`.
 """
 
 from __future__ import annotations
 
+import io
 import logging
 import math
-import struct
-import zlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from datetime import datetime
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 from remediator import prometheus_api
+from remediator.notify.units import PLAIN, Unit, metric_names, unit_of_query
 
 log = logging.getLogger(__name__)
 
-WIDTH, HEIGHT = 480, 160
+WIDTH, HEIGHT = 800, 400
+DPI = 100
 MAX_SERIES = 6
-POINTS = 240  # samples across the window: about two pixels each
-_MARGIN = 6
+POINTS = 240  # samples across the window: one every 3 px at most
+MIN_STEP_SECONDS = 15.0
+_TITLE_MAX_CHARS = 70
+_LEGEND_LABEL_MAX_CHARS = 28
+# Labels that name where a series was scraped from, not what it is: never in the title.
+_SCRAPE_LABELS = ("instance", "job")
 
-_BACKGROUND = (255, 255, 255)
-_GRID = (226, 229, 234)
-_BAND = (253, 226, 226)
-_AXIS = (160, 166, 176)
+FONT_SIZE = 14  # points at DPI: see "Size" above
+LINE_WIDTH = 2.5
+_BAND = "#fbd5d5"
+_THRESHOLD = "#c62828"
+_STEP = "#37474f"
+_GRID = "#e2e5ea"
+# matplotlib's tab10 without its red (the threshold's colour): six lines told apart at a glance.
 PALETTE = (
     (31, 119, 180),
-    (214, 39, 40),
     (44, 160, 44),
     (255, 127, 14),
     (148, 103, 189),
     (140, 86, 75),
+    (23, 190, 207),
 )
 
 Color = tuple[int, int, int]
@@ -65,6 +102,72 @@ class Series:
     points: list[tuple[float, float]]
 
 
+@dataclass(frozen=True)
+class Mark:
+    """A step that changed something, at `at` (unix time), named `label` (`2 drain`)."""
+
+    at: float
+    label: str
+
+
+@dataclass(frozen=True)
+class Threshold:
+    """The alert's threshold: a fixed `value`, or `series` over the window (base units)."""
+
+    label: str
+    value: float | None = None
+    series: tuple[Series, ...] = ()
+
+
+@dataclass(frozen=True)
+class ChartSpec:
+    """A report's `graph` spec, parsed: what to draw and what to mark."""
+
+    query: str
+    start: datetime
+    end: datetime
+    marked: tuple[float, float] | None = None
+    threshold: float | None = None
+    threshold_query: str | None = None
+    threshold_label: str | None = None
+    steps: tuple[Mark, ...] = field(default_factory=tuple)
+
+    @classmethod
+    def parse(cls, spec: Mapping[str, Any]) -> ChartSpec:
+        """Read a spec as the report wrote it; raises `ValueError` (or `KeyError`, `TypeError`)."""
+
+        def when(text: Any) -> datetime:
+            parsed = datetime.fromisoformat(str(text))
+            return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=UTC)
+
+        marked_raw = spec.get("marked")
+        marked = (
+            (when(marked_raw[0]).timestamp(), when(marked_raw[1]).timestamp())
+            if isinstance(marked_raw, list | tuple) and len(marked_raw) == 2
+            else None
+        )
+        threshold_raw = spec.get("threshold")
+        threshold = float(threshold_raw) if threshold_raw is not None else None
+        if threshold is not None and not math.isfinite(threshold):
+            threshold = None
+        steps = tuple(
+            Mark(when(step["at"]).timestamp(), str(step.get("label", "")))
+            for step in spec.get("steps") or ()
+        )
+        query_raw = spec.get("threshold_query")
+        label_raw = spec.get("threshold_label")
+        return cls(
+            query=str(spec["query"]),
+            start=when(spec["start"]),
+            end=when(spec["end"]),
+            marked=marked,
+            threshold=threshold,
+            threshold_query=str(query_raw) if query_raw else None,
+            threshold_label=str(label_raw) if label_raw else None,
+            steps=steps,
+        )
+
+
 def query_range(
     prometheus_url: str,
     query: str,
@@ -74,7 +177,8 @@ def query_range(
     timeout_seconds: float = 5.0,
 ) -> list[Series]:
     """The series of a range query; raises `GraphError` with the reason."""
-    step = max(1.0, (end - start).total_seconds() / POINTS)
+    # Not finer than a usual scrape interval: a finer step repeats each sample into stairs.
+    step = max(MIN_STEP_SECONDS, (end - start).total_seconds() / POINTS)
     try:
         result = prometheus_api.query_range(
             prometheus_url,
@@ -104,79 +208,99 @@ def query_range(
     return out
 
 
-class Canvas:
-    """An RGB picture in memory, with just what a line chart needs."""
-
-    def __init__(self, width: int, height: int, background: Color = _BACKGROUND) -> None:
-        self.width = width
-        self.height = height
-        self.pixels = bytearray(bytes(background) * (width * height))
-
-    def set(self, x: int, y: int, color: Color) -> None:
-        """Paint one pixel (outside the picture: ignored)."""
-        if 0 <= x < self.width and 0 <= y < self.height:
-            offset = (y * self.width + x) * 3
-            self.pixels[offset : offset + 3] = bytes(color)
-
-    def get(self, x: int, y: int) -> Color:
-        """One pixel's color."""
-        offset = (y * self.width + x) * 3
-        r, g, b = self.pixels[offset : offset + 3]
-        return (r, g, b)
-
-    def rect(self, x0: int, y0: int, x1: int, y1: int, color: Color) -> None:
-        """Fill the rectangle between two corners, both included."""
-        for y in range(max(0, min(y0, y1)), min(self.height, max(y0, y1) + 1)):
-            for x in range(max(0, min(x0, x1)), min(self.width, max(x0, x1) + 1)):
-                self.set(x, y, color)
-
-    def line(self, x0: int, y0: int, x1: int, y1: int, color: Color) -> None:
-        """A two-pixel-thick line (Bresenham), readable on a phone."""
-        dx, dy = abs(x1 - x0), -abs(y1 - y0)
-        sx, sy = (1 if x0 < x1 else -1), (1 if y0 < y1 else -1)
-        error = dx + dy
-        while True:
-            self.set(x0, y0, color)
-            self.set(x0, y0 + 1, color)
-            if x0 == x1 and y0 == y1:
-                return
-            doubled = 2 * error
-            if doubled >= dy:
-                error += dy
-                x0 += sx
-            if doubled <= dx:
-                error += dx
-                y0 += sy
-
-    def png(self) -> bytes:
-        """The picture as PNG (8-bit RGB, no interlace)."""
-        stride = self.width * 3
-        raw = b"".join(
-            b"\x00" + bytes(self.pixels[row * stride : (row + 1) * stride])
-            for row in range(self.height)
-        )
-
-        def chunk(kind: bytes, data: bytes) -> bytes:
-            crc = zlib.crc32(kind + data) & 0xFFFFFFFF
-            return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", crc)
-
-        header = struct.pack(">IIBBBBB", self.width, self.height, 8, 2, 0, 0, 0)
-        return (
-            b"\x89PNG\r\n\x1a\n"
-            + chunk(b"IHDR", header)
-            + chunk(b"IDAT", zlib.compress(raw, 9))
-            + chunk(b"IEND", b"")
-        )
+def distinguishing_labels(series: Sequence[Series]) -> list[str]:
+    """The label names whose values differ between `series` (`__name__` aside), sorted."""
+    names = sorted({name for one in series for name in one.labels if name != "__name__"})
+    return [
+        name for name in names if len({one.labels.get(name) for one in series}) > 1
+    ]  # a label one series lacks differs too: None is a value here
 
 
-def _value_range(series: Sequence[Series]) -> tuple[float, float]:
-    values = [value for one in series for _, value in one.points]
-    low, high = min(values), max(values)
-    if high - low < 1e-12:  # a flat line sits in the middle, not on an edge
-        pad = abs(high) * 0.1 or 1.0
-        return low - pad, high + pad
-    pad = (high - low) * 0.08
-    return low - pad, high + pad
+def legend_label(labels: Mapping[str, str], names: Sequence[str]) -> str:
+    """`gpu=0, sensor=edge`: the distinguishing labels of one series, cut to fit the legend."""
+    text = ", ".join(f"{name}={labels.get(name, '—')}" for name in names)
+    if len(text) > _LEGEND_LABEL_MAX_CHARS:
+        text = text[: _LEGEND_LABEL_MAX_CHARS - 1] + "…"
+    return text
+
+
+def chart_title(query: str, series: Sequence[Series]) -> str:
+    """The series' name (or the query's first) and the labels every series shares."""
+    names = {one.labels.get("__name__", "") for one in series}
+    name = names.pop() if len(names) == 1 and "" not in names else ""
+    if not name:
+        found = metric_names(query)
+        name = found[0] if found else query
+    differing = set(distinguishing_labels(series))
+    shared = sorted(
+        {
+            (key, value)
+            for key, value in series[0].labels.items()
+            if key not in differing and key != "__name__" and key not in _SCRAPE_LABELS
+        }
+    )
+    title = name + (" · " + " ".join(f"{k}={v}" for k, v in shared) if shared else "")
+    return title if len(title) <= _TITLE_MAX_CHARS else title[: _TITLE_MAX_CHARS - 1] + "…"
+
+
+def plain_text(text: str) -> str:
+    """`text` as matplotlib shows it literally: a `$` would start mathtext (and can fail)."""
+    return text.replace("$", r"\$")
+
+
+# Tick spacings, in seconds: each divides an hour or a day, so ticks fall on round UTC times.
+_TICK_STEPS = (10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600, 43200, 86400)
+
+
+def time_ticks(start: float, end: float, most: int = 4) -> list[float]:
+    """Round UTC times between `start` and `end` (unix seconds), `most` of them at most."""
+    span = max(end - start, 1.0)
+    step = next((one for one in _TICK_STEPS if span / one <= most), _TICK_STEPS[-1])
+    first = math.ceil(start / step) * step
+    return [float(t) for t in range(int(first), int(end) + 1, step)]
+
+
+def _step_label_places(
+    marks: Sequence[Mark], start: float, end: float, width: int
+) -> list[tuple[Mark, int, bool]]:
+    """Each step with its label's row (0 at the top) and side (True: left of its line).
+
+    In the last third of the window a label goes left of its line (the edge would cut it);
+    each takes the highest row where it overlaps no label before it (widths estimated from
+    the font size: a row too many costs less than two labels on top of each other).
+    """
+    char = (FONT_SIZE - 2) * DPI / 72 * 0.62
+    plot = width * 0.85  # the axes' share of the picture, about
+    taken: list[list[tuple[float, float]]] = []
+    places = []
+    for mark in marks:
+        x = (mark.at - start) / max(end - start, 1e-9) * plot
+        right = x > plot * 0.67
+        extent = (len(mark.label) + 1) * char
+        span = (x - extent - 6, x) if right else (x, x + extent + 6)
+        level = 0
+        while level < len(taken) and any(
+            span[0] < other[1] and other[0] < span[1] for other in taken[level]
+        ):
+            level += 1
+        if level == len(taken):
+            taken.append([])
+        taken[level].append(span)
+        places.append((mark, min(level, 3), right))
+    return places
+
+
+def _legend_columns(labels: Sequence[str], width: int) -> int:
+    """As many columns (up to 4) as the widest label lets fit across the picture."""
+    char = FONT_SIZE * DPI / 72 * 0.62  # DejaVu Sans' average advance, in px
+    entry = (max(len(label) for label in labels) + 4) * char  # + the line sample
+    # Two at least: labels are cut to fit two (`_LEGEND_LABEL_MAX_CHARS`), and one column of
+    # nine entries would leave no room for the plot.
+    return max(min(2, len(labels)), min(4, len(labels), int((width - 20) // entry)))
+
+
+def _hex(color: Color) -> str:
+    return "#{:02x}{:02x}{:02x}".format(*color)
 
 
 def render(
@@ -185,47 +309,187 @@ def render(
     end: float,
     *,
     marked: tuple[float, float] | None = None,
+    unit: Unit = PLAIN,
+    threshold: Threshold | None = None,
+    steps: Sequence[Mark] = (),
+    title: str = "",
     width: int = WIDTH,
     height: int = HEIGHT,
 ) -> bytes:
-    """A line chart of `series` between unix times `start` and `end`, as PNG bytes.
+    """A line chart of `series` between unix times `start` and `end`, as PNG bytes (RGBA).
 
-    `marked` (unix times) is shaded: the incident, from the alert to the run's end.
+    `marked` (unix times) is shaded: the incident, from the alert to the run's end. Raises
+    `ImportError` without matplotlib (the `report` extra).
     """
-    canvas = Canvas(width, height)
-    left, right = _MARGIN, width - _MARGIN - 1
-    top, bottom = _MARGIN, height - _MARGIN - 1
-    span = max(end - start, 1e-9)
+    # Here, not at the top: only a remediator that draws reports needs matplotlib (see above).
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: PLC0415
+    from matplotlib.figure import Figure  # noqa: PLC0415
+    from matplotlib.ticker import FixedLocator, FuncFormatter, MaxNLocator  # noqa: PLC0415
 
-    def x_of(when: float) -> int:
-        return left + round((when - start) / span * (right - left))
+    def x_of(when: float) -> float:
+        return when  # unix seconds; the ticks below are whole UTC minutes and hours
 
+    figure = Figure(
+        figsize=(width / DPI, height / DPI), dpi=DPI, facecolor="white", layout="constrained"
+    )
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot()
+    axes.set_facecolor("white")
+    for side in ("top", "right"):
+        axes.spines[side].set_visible(False)
+    axes.grid(True, color=_GRID, linewidth=1.0)
+    axes.set_axisbelow(True)
+
+    shown_values: list[float] = []
     if marked is not None:
-        canvas.rect(x_of(max(start, marked[0])), top, x_of(min(end, marked[1])), bottom, _BAND)
-    for index in range(5):
-        y = top + round(index * (bottom - top) / 4)
-        canvas.line(left, y, right, y, _GRID)
-    drawn = [one for one in series if one.points]
-    if drawn:
-        low, high = _value_range(drawn)
+        axes.axvspan(
+            x_of(max(start, marked[0])),
+            x_of(min(end, marked[1])),
+            color=_BAND,
+            label="incident",
+            zorder=0,
+        )
+    drawn = [one for one in series if one.points][:MAX_SERIES]
+    differing = distinguishing_labels(drawn)
+    # A missing scrape or two breaks the line (the query step: see `query_range`).
+    gap = max(MIN_STEP_SECONDS, (end - start) / POINTS) * 2.5
+    for index, one in enumerate(drawn):
+        color = _hex(PALETTE[index % len(PALETTE)])
+        xs: list[float] = []
+        ys: list[float] = []
+        lone: list[tuple[float, float]] = []  # a sample with no neighbour: a dot, not a line
+        run: list[tuple[float, float]] = []
+        for when, value in [*one.points, (math.inf, math.nan)]:
+            if run and (when - run[-1][0] > gap or not math.isfinite(when)):
+                if len(run) == 1:
+                    lone.append(run[0])
+                xs += [x_of(t) for t, _ in run] + [math.nan]  # matplotlib breaks at NaN
+                ys += [unit.shown(v) for _, v in run] + [math.nan]
+                run = []
+            if math.isfinite(when):
+                run.append((when, value))
+                shown_values.append(unit.shown(value))
+        label = plain_text(legend_label(one.labels, differing)) if differing else None
+        axes.plot(xs, ys, color=color, linewidth=LINE_WIDTH, label=label, zorder=3)
+        if lone:
+            axes.plot(
+                [x_of(t) for t, _ in lone],
+                [unit.shown(v) for _, v in lone],
+                color=color,
+                linestyle="none",
+                marker="o",
+                markersize=LINE_WIDTH * 2,
+                zorder=3,
+            )
+    if threshold is not None:
+        # Named on the line itself, at its right end, where the eye meets it: not in the legend.
+        first: float | None = None
+        if threshold.value is not None:
+            axes.axhline(
+                unit.shown(threshold.value), color=_THRESHOLD, linestyle="--", linewidth=2.0
+            )
+            first = unit.shown(threshold.value)
+            shown_values.append(first)
+        for line in threshold.series:
+            axes.plot(
+                [x_of(when) for when, _ in line.points],
+                [unit.shown(value) for _, value in line.points],
+                color=_THRESHOLD,
+                linestyle="--",
+                linewidth=2.0,
+                drawstyle="steps-post",
+                zorder=2,
+            )
+            shown_values.extend(unit.shown(value) for _, value in line.points)
+            if first is None:
+                first = unit.shown(line.points[0][1])
+        if first is not None:
+            # At the left end: the window opens 15 minutes before the alert, so the steps'
+            # labels are to the right; under the series (zorder), so it never hides them.
+            axes.annotate(
+                plain_text(threshold.label),
+                xy=(0.0, first),
+                xycoords=("axes fraction", "data"),
+                xytext=(4, 3),
+                textcoords="offset points",
+                ha="left",
+                va="bottom",
+                fontsize=FONT_SIZE - 2,
+                color=_THRESHOLD,
+                bbox={
+                    "boxstyle": "round,pad=0.15",
+                    "facecolor": "white",
+                    "alpha": 0.75,
+                    "edgecolor": "none",
+                },
+                zorder=2.5,
+            )
+    marks = [mark for mark in sorted(steps, key=lambda mark: mark.at) if start <= mark.at <= end]
+    for number, (mark, level, right) in enumerate(_step_label_places(marks, start, end, width)):
+        axes.axvline(
+            x_of(mark.at),
+            color=_STEP,
+            linestyle=":",
+            linewidth=2.0,
+            label="steps" if number == 0 else None,
+            zorder=4,
+        )
+        axes.annotate(
+            plain_text(mark.label),
+            xy=(x_of(mark.at), 1.0),
+            xycoords=("data", "axes fraction"),
+            xytext=(-4 if right else 4, -4 - level * (FONT_SIZE + 4)),
+            textcoords="offset points",
+            ha="right" if right else "left",
+            va="top",
+            fontsize=FONT_SIZE - 2,
+            color=_STEP,
+            bbox={"boxstyle": "round,pad=0.15", "facecolor": "white", "edgecolor": "none"},
+            zorder=5,
+        )
 
-        def y_of(value: float) -> int:
-            return bottom - round((value - low) / (high - low) * (bottom - top))
-
-        gap = span / POINTS * 2.5  # a missing scrape or two breaks the line
-        for index, one in enumerate(drawn[:MAX_SERIES]):
-            color = PALETTE[index % len(PALETTE)]
-            previous: tuple[float, float] | None = None
-            for when, value in one.points:
-                if previous is not None and when - previous[0] <= gap:
-                    canvas.line(
-                        x_of(previous[0]), y_of(previous[1]), x_of(when), y_of(value), color
-                    )
-                else:
-                    canvas.set(x_of(when), y_of(value), color)
-                previous = (when, value)
-    canvas.line(left, bottom, right, bottom, _AXIS)
-    return canvas.png()
+    axes.set_xlim(x_of(start), x_of(end))
+    if shown_values:
+        low, high = min(shown_values), max(shown_values)
+        pad = (high - low) * 0.12 if high - low > 1e-12 else (abs(high) * 0.1 or 1.0)
+        # Room above for the step labels and the legend.
+        rows = 1 + max((level for _, level, _ in _step_label_places(marks, start, end, width)),
+                       default=-1)  # fmt: skip
+        axes.set_ylim(low - pad, high + pad * (1.0 + 1.5 * rows))  # room for the step labels
+    axes.xaxis.set_major_locator(FixedLocator(time_ticks(start, end)))
+    clock = "%H:%M" if end - start >= 600 else "%H:%M:%S"
+    axes.xaxis.set_major_formatter(
+        FuncFormatter(lambda value, _: f"{datetime.fromtimestamp(value, UTC):{clock}}")
+    )
+    axes.yaxis.set_major_locator(MaxNLocator(nbins=4))
+    symbol = f" {unit.symbol}" if unit.symbol else ""
+    axes.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}{symbol}"))
+    axes.tick_params(labelsize=FONT_SIZE, length=4)
+    day = datetime.fromtimestamp(start, UTC)
+    axes.set_xlabel(f"{day:%Y-%m-%d} UTC", fontsize=FONT_SIZE - 1, color="#444444", loc="right")
+    if title:
+        axes.set_title(plain_text(title), fontsize=FONT_SIZE, loc="left")
+    handles, labels = axes.get_legend_handles_labels()
+    # The series first, then what explains them: incident, steps.
+    extras = ("incident", "steps")
+    order = sorted(range(len(labels)), key=lambda i: labels[i] in extras)
+    handles, labels = [handles[i] for i in order], [labels[i] for i in order]
+    if handles:
+        # Under the plot, not in it: it hides no data and no step label.
+        figure.legend(
+            handles,
+            labels,
+            loc="outside lower left",
+            ncol=_legend_columns(labels, width),
+            fontsize=FONT_SIZE - 1,
+            frameon=False,
+            handlelength=1.6,
+            columnspacing=1.2,
+        )
+    out = io.BytesIO()
+    # No "Software" text chunk: the same data gives the same bytes across matplotlib releases.
+    figure.savefig(out, format="png", dpi=DPI, metadata={"Software": None})
+    return out.getvalue()
 
 
 def _label_text(labels: Mapping[str, str]) -> str:
@@ -233,39 +497,90 @@ def _label_text(labels: Mapping[str, str]) -> str:
     return shown or labels.get("__name__", "series")
 
 
+def _threshold(
+    prometheus_url: str, chart: ChartSpec, unit: Unit, timeout_seconds: float
+) -> Threshold | None:
+    """The threshold line the spec asks for, or None; a failed query costs only the line."""
+    if chart.threshold is not None:
+        label = chart.threshold_label or f"threshold {unit.format(chart.threshold)}"
+        return Threshold(label, value=chart.threshold)
+    if not chart.threshold_query:
+        return None
+    try:
+        found = query_range(
+            prometheus_url,
+            chart.threshold_query,
+            chart.start,
+            chart.end,
+            timeout_seconds=timeout_seconds,
+        )
+    except GraphError as exc:
+        log.warning("report picture: threshold left out: %s", exc)
+        return None
+    lines = tuple(one for one in found if one.points)[:MAX_SERIES]
+    if not lines:
+        log.info("report picture: threshold %s has no data in the window", chart.threshold_query)
+        return None
+    values = {value for one in lines for _, value in one.points}
+    if chart.threshold_label:
+        label = chart.threshold_label
+    elif len(values) == 1:
+        label = f"threshold {unit.format(values.pop())}"
+    else:
+        label = "threshold"
+    return Threshold(label, series=lines)
+
+
 def draw(
     prometheus_url: str, spec: Mapping[str, Any], *, timeout_seconds: float = 5.0
 ) -> Picture | None:
     """The picture a report's `graph` spec asks for, or None (the reason is logged)."""
     try:
-        query = str(spec["query"])
-        start = datetime.fromisoformat(str(spec["start"]))
-        end = datetime.fromisoformat(str(spec["end"]))
-        marked_raw = spec.get("marked")
-        marked = (
-            (
-                datetime.fromisoformat(str(marked_raw[0])).timestamp(),
-                datetime.fromisoformat(str(marked_raw[1])).timestamp(),
-            )
-            if isinstance(marked_raw, list | tuple) and len(marked_raw) == 2
-            else None
-        )
-    except (KeyError, ValueError, TypeError):
+        chart = ChartSpec.parse(spec)
+    except (KeyError, ValueError, TypeError, OverflowError, OSError):
         log.warning("report picture: unusable spec %r", dict(spec))
         return None
     try:
-        series = query_range(prometheus_url, query, start, end, timeout_seconds=timeout_seconds)
+        series = query_range(
+            prometheus_url, chart.query, chart.start, chart.end, timeout_seconds=timeout_seconds
+        )
     except GraphError as exc:
         log.warning("report picture left out: %s", exc)
         return None
     series = [one for one in series if one.points]
     if not series:
-        log.info("report picture left out: %s has no data in the window", query)
+        log.info("report picture left out: %s has no data in the window", chart.query)
         return None
-    png = render(series, start.timestamp(), end.timestamp(), marked=marked)
+    unit = unit_of_query(chart.query, [one.labels.get("__name__", "") for one in series])
+    threshold = _threshold(prometheus_url, chart, unit, timeout_seconds)
+    try:
+        png = render(
+            series,
+            chart.start.timestamp(),
+            chart.end.timestamp(),
+            marked=chart.marked,
+            unit=unit,
+            threshold=threshold,
+            steps=chart.steps,
+            title=chart_title(chart.query, series),
+        )
+    except ImportError as exc:
+        log.warning(
+            "report picture left out: matplotlib is not installed (%s); install the "
+            "`report` extra: pip install 'gpu-fleet[report]'",
+            exc,
+        )
+        return None
+    except (ValueError, RuntimeError, OverflowError, MemoryError) as exc:
+        # matplotlib refuses data it cannot place (dates out of range, a degenerate axis):
+        # the report goes without a picture, never without the report.
+        log.warning("report picture left out: drawing failed: %s", exc)
+        return None
     low = min(value for one in series for _, value in one.points)
     high = max(value for one in series for _, value in one.points)
     names = "; ".join(_label_text(one.labels) for one in series[:MAX_SERIES])
     more = f" (+{len(series) - MAX_SERIES} more not drawn)" if len(series) > MAX_SERIES else ""
-    caption = f"{low:g} … {high:g} — {names}{more}"
+    span = unit.format(low) if low == high else f"{unit.format(low)} … {unit.format(high)}"
+    line = f" · {threshold.label}" if threshold is not None else ""
+    caption = f"{span} — {names}{more}{line}"
     return Picture(png=png, caption=caption)

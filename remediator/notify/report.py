@@ -21,6 +21,7 @@ The sender adds the picture after the first paragraph and a marker line at the e
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from typing import Any
 from urllib.parse import parse_qs, quote, urlencode, urlsplit
 
 from exporter.roster import Roster
+from remediator.actions.registry import UnknownActionError, get_action
 from remediator.journal import QueuedReport, RunRecord, StepRecord
 from remediator.notify.markdown import (
     cell,
@@ -82,7 +84,15 @@ _TRAILING_COMPARISON = re.compile(
     re.IGNORECASE | re.DOTALL,
 )
 _SET_OPERATOR = re.compile(r"\b(?:and|or|unless)\b", re.IGNORECASE)
+_ORDERING = re.compile(
+    r"(?:>=|<=|>|<)\s*(?:bool\s+)?(?P<number>[-+]?(?:\d+\.?\d*|\.\d+)(?:e[-+]?\d+)?)\s*$"
+)
 _QUERY_MAX_CHARS = 2000
+# What an alert rule tells the picture (annotations in rules/gpu-fleet-alerts.rules.yml): the
+# series to draw (`chart_query`), the line it crosses (`threshold_query`, PromQL drawn over the
+# window, or `threshold`, a number), and that line's name (`threshold_label`). Drawing
+# instructions, not evidence: the report's evidence block leaves them out.
+CHART_ANNOTATIONS = ("chart_query", "threshold_query", "threshold", "threshold_label")
 
 
 @dataclass(frozen=True)
@@ -151,6 +161,39 @@ def graph_query(expr: str) -> str:
     if matched is None or _SET_OPERATOR.search(expr):
         return expr.strip()
     return matched.group("left").strip()
+
+
+def graph_threshold(expr: str) -> float | None:
+    """The number an alert expression's value is held against (`x > 0.9`: 0.9), when clear.
+
+    Only an ordering (`>`, `>=`, `<`, `<=`) is a threshold a line can show; `== 0` is a state.
+    """
+    if graph_query(expr) == expr.strip():
+        return None
+    matched = _ORDERING.search(expr.strip())
+    return float(matched.group("number")) if matched else None
+
+
+def disruptive(step: StepRecord) -> bool:
+    """Whether a step changed something (drain, restart, power cap): an instant on the picture.
+
+    Read-only actions (probes, checks, waits) did not; a step that never ran did not either.
+    An action no longer registered is taken as one that did: the picture errs toward showing.
+    """
+    if step.result == "skipped":
+        return False
+    try:
+        return not get_action(step.action).read_only
+    except UnknownActionError:
+        return True
+
+
+def _annotation_number(text: str | None) -> float | None:
+    try:
+        value = float(text) if text is not None and text.strip() else None
+    except ValueError:
+        return None
+    return value if value is not None and math.isfinite(value) else None
 
 
 def silence_url(alertmanager_url: str, labels: Mapping[str, str]) -> str:
@@ -277,24 +320,52 @@ class Reporter:
         return " · ".join(item for item in found if item)
 
     def _graph(self, run: RunRecord, verify_query: str | None) -> dict[str, Any] | None:
+        """The picture's spec (`remediator.notify.graph`): what to draw, and what to mark.
+
+        The rule's `chart_query` annotation says what to draw; without it, the alert's own
+        expression (its comparison taken off), else the playbook's verification query.
+        """
+        annotations = run.alert.annotations
+        chart = (annotations.get("chart_query") or "").strip()
         expr = generator_expr(run.alert.generator_url) or verify_query
-        if not expr or len(expr) > _QUERY_MAX_CHARS:
+        query = chart or (graph_query(expr) if expr else "")
+        if not query or len(query) > _QUERY_MAX_CHARS:
             return None
         start, end = self._window(run)
         incident_end = run.finished_at or run.alert.last_seen
-        return {
-            "query": graph_query(expr),
+        spec: dict[str, Any] = {
+            "query": query,
             "start": start.isoformat(),
             "end": end.isoformat(),
             "marked": [run.alert.starts_at.isoformat(), incident_end.isoformat()],
         }
+        threshold = _annotation_number(annotations.get("threshold"))
+        threshold_query = (annotations.get("threshold_query") or "").strip()
+        if threshold is None and not threshold_query and not chart and expr:
+            threshold = graph_threshold(expr)  # `x > 0.9` drawn as x: 0.9 is its line
+        if threshold is not None:
+            spec["threshold"] = threshold
+        elif threshold_query and len(threshold_query) <= _QUERY_MAX_CHARS:
+            spec["threshold_query"] = threshold_query
+        label = one_line(annotations.get("threshold_label") or "")
+        if label and ("threshold" in spec or "threshold_query" in spec):
+            spec["threshold_label"] = label[:60]
+        if run.decision != "dry_run":  # under dry-run nothing that changes anything ran
+            steps = [
+                {"at": step.started_at.isoformat(), "label": f"{step.index + 1} {step.action}"}
+                for step in run.steps
+                if disruptive(step)
+            ]
+            if steps:
+                spec["steps"] = steps
+        return spec
 
     @staticmethod
     def _evidence(run: RunRecord, *, steps: bool) -> str:
         labels = ", ".join(f"{k}={v}" for k, v in sorted(run.alert.labels.items()))
         lines = [f"alert {run.alert.fingerprint} labels: {labels}"]
         for key, value in sorted(run.alert.annotations.items()):
-            if key not in ("summary", "runbook_url"):
+            if key not in ("summary", "runbook_url", *CHART_ANNOTATIONS):
                 lines.append(f"{key}: {value}")
         if steps:
             for step in run.steps:

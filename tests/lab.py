@@ -31,11 +31,13 @@ import signal
 import subprocess
 import time
 import urllib.request
+from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Protocol
 
 import pytest
+import yaml
 
 from exporter.http import MetricsServer
 from exporter.registry import ExporterSettings, FleetCollector, build_registry
@@ -45,7 +47,13 @@ from tests.prometheus_lab import PrometheusServer
 from tests.remediator_lab import drop_test_playbooks, write_setup
 from tests.systemctl_stand_in import SystemctlStandIn
 from tests.test_remediator_process import Replica
-from tests.test_wiring import ALERTMANAGER_EXAMPLE, INSTALLED_TOKEN, Alertmanager, rewrite
+from tests.test_wiring import (
+    ALERTMANAGER_EXAMPLE,
+    INSTALLED_TOKEN,
+    PROMETHEUS_EXAMPLE,
+    Alertmanager,
+    rewrite,
+)
 from tests.zulip_stand_in import ZulipStandIn
 
 REPO = Path(__file__).resolve().parent.parent
@@ -89,8 +97,39 @@ def _healthy(url: str) -> bool:
         return False
 
 
+class ExtraHosts(Protocol):
+    """More lab hosts beside dioscuri (tests/lab_hosts.py: `LabHosts`)."""
+
+    def roster_text(self) -> str:
+        """Their sections, appended under the roster's `hosts:`."""
+        ...
+
+    def config_text(self) -> str:
+        """Lines added to the remediator's config (its `ssh:` client)."""
+        ...
+
+    def start(self, roster: Path, env: Mapping[str, str]) -> None:
+        """Start them (before Prometheus and the remediator)."""
+        ...
+
+    def targets(self) -> dict[str, str]:
+        """Host name → its exporter's scrape target."""
+        ...
+
+    def close(self) -> None:
+        """Stop them."""
+        ...
+
+
 class Lab:
-    """One lab host (dioscuri, server alpha), Prometheus, Alertmanager, remediator, Zulip."""
+    """One lab host (dioscuri, server alpha), Prometheus, Alertmanager, remediator, Zulip.
+
+    `hosts` adds more hosts (their roster sections, exporters and sshds; tests/lab_hosts.py).
+    `ha`: two Prometheus replicas (`a`, `b`: `examples/prometheus.yml`'s external label and
+    alert relabelling) and an Alertmanager HA pair (gossip on loopback), each Prometheus sending
+    to both Alertmanagers and each Alertmanager to the remediator; the pair resends a firing
+    group every 2 s (`repeat_interval`), so every alert arrives more than once.
+    """
 
     def __init__(
         self,
@@ -100,9 +139,13 @@ class Lab:
         monkeypatch: pytest.MonkeyPatch,
         *,
         litellm: str = "",
+        hosts: ExtraHosts | None = None,
+        ha: bool = False,
     ) -> None:
         """`litellm`: the roster lines of the server's LiteLLM deployment (drains block it)."""
         self.tmp = tmp_path
+        self.hosts = hosts
+        self.ha = ha
         self.stand_in = SystemctlStandIn(tmp_path)
         self.stand_in.activate(monkeypatch)  # the remediator's node finds the stand-in
         self.port = free_port()
@@ -124,6 +167,7 @@ class Lab:
                 f"node_command: [{NODE}]\n"
                 f"zulip:\n  zuliprc: {zuliprc}\n  stream: agent-hub\n"
                 "  topics: {gpu: alerts-gpu, inference: alerts-gpu, infra: alerts-infra}\n"
+                + (hosts.config_text() if hosts is not None else "")
             ),
         )
         drop_test_playbooks(self.setup)  # the built-in playbooks handle the alerts
@@ -131,7 +175,9 @@ class Lab:
         self.setup.roster.write_text(
             "hosts:\n  dioscuri:\n    address: 127.0.0.1\n    local: true\n    servers:\n"
             f"      alpha:\n        engine: llama\n        url: {self.url}\n        unit: {UNIT}\n"
-            "        role: gpu-dense\n        model: tiny\n        timeout_seconds: 0.4\n" + litellm
+            "        role: gpu-dense\n        model: tiny\n        timeout_seconds: 0.4\n"
+            + litellm
+            + (hosts.roster_text() if hosts is not None else "")
         )
         self.replica = Replica(self.setup, remediator_port, tmp_path / "remediator.log")
         self.timeline: list[tuple[float, str]] = []
@@ -140,6 +186,8 @@ class Lab:
         self.fleet: FleetCollector | None = None
         self.prometheus: PrometheusServer | None = None
         self.alertmanager: Alertmanager | None = None
+        self.alertmanagers: list[Alertmanager] = []  # the HA pair, or the one
+        self.prometheus_b: PrometheusServer | None = None  # the HA lab's second replica
 
     # -- life cycle ---------------------------------------------------------------------------
 
@@ -160,6 +208,8 @@ class Lab:
     def _start(self) -> None:
         subprocess.run(["systemctl", "start", UNIT], check=True, timeout=30)
         wait_until(lambda: _healthy(self.url), 60, interval=0.2, what="llama-server healthy")
+        if self.hosts is not None:
+            self.hosts.start(self.setup.roster, self.stand_in.env())
         host = load_roster(self.setup.roster).hosts["dioscuri"]
         registry, self.fleet = build_registry(
             ExporterSettings(host=host, sysfs=str(self.tmp / "nosys"))
@@ -174,21 +224,59 @@ class Lab:
         text = rewrite(text, f"credentials_file: {INSTALLED_TOKEN}", f"credentials_file: {token}")
         text = rewrite(text, "group_wait: 30s", "group_wait: 1s")
         text = rewrite(text, "group_interval: 5m", "group_interval: 1s")
-        (self.tmp / "am").mkdir()
-        self.alertmanager = Alertmanager(self.tmp / "am", text)
-        self.alertmanager.start()
-        targets = [f"127.0.0.1:{self.alertmanager.port}"]
-        alerting = {"alertmanagers": [{"static_configs": [{"targets": targets}]}]}
+        if self.ha:
+            text = rewrite(text, "repeat_interval: 4h", "repeat_interval: 2s")
+        self._start_alertmanagers(text)
+        targets = [f"127.0.0.1:{manager.port}" for manager in self.alertmanagers]
+        alerting: dict[str, Any] = {"alertmanagers": [{"static_configs": [{"targets": targets}]}]}
+        if self.ha:  # the example's: alerts drop `replica`, so both copies are one alert
+            example = yaml.safe_load(PROMETHEUS_EXAMPLE.read_text())
+            alerting["alert_relabel_configs"] = example["alerting"]["alert_relabel_configs"]
+        # Each host its own `host` label, as the roster's file_sd gives it.
+        exporters = {"dioscuri": f"127.0.0.1:{self.exporter.port}"}
+        exporters.update(self.hosts.targets() if self.hosts is not None else {})
+        static = [{"targets": [t], "labels": {"host": h}} for h, t in exporters.items()]
+        scrape = [{"job_name": "lab", "static_configs": static}]
         self.prometheus = PrometheusServer(
-            self.tmp / "prom", [f"127.0.0.1:{self.exporter.port}"], labels={"host": "dioscuri"},
-            rule_files=lab_rules(self.tmp / "rules"), extra={"alerting": alerting},
+            self.tmp / "prom", list(exporters.values()), labels={"host": "dioscuri"},
+            rule_files=lab_rules(self.tmp / "rules"),
+            extra={"alerting": alerting, "scrape_configs": scrape},
+            external_labels={"replica": "a"} if self.ha else None,
         ).start()  # fmt: skip
+        if self.ha:
+            self.prometheus_b = PrometheusServer(
+                self.tmp / "prom-b", list(exporters.values()), labels={"host": "dioscuri"},
+                rule_files=lab_rules(self.tmp / "rules-b"),
+                extra={"alerting": alerting, "scrape_configs": scrape},
+                external_labels={"replica": "b"},
+            ).start()  # fmt: skip
         self.prometheus.wait_for('gpufleet_llama_up{server="alpha"} == 1', timeout=30)
         config = self.setup.config.read_text().replace(
             "prometheus_url: http://127.0.0.1:9", f"prometheus_url: {self.prometheus.url}"
         )
         self.setup.config.write_text(config)
         self.replica.start()
+
+    def _start_alertmanagers(self, text: str) -> None:
+        """One Alertmanager, or (`ha`) a pair gossiping on loopback (each the other's peer)."""
+        count = 2 if self.ha else 1
+        gossip = [free_port() for _ in range(count)]
+        for index in range(count):
+            directory = self.tmp / ("am" if index == 0 else f"am{index + 1}")
+            directory.mkdir()
+            cluster = ["--cluster.listen-address="]
+            if self.ha:
+                peer = gossip[1 - index]
+                cluster = [
+                    f"--cluster.listen-address=127.0.0.1:{gossip[index]}",
+                    f"--cluster.advertise-address=127.0.0.1:{gossip[index]}",
+                    f"--cluster.peer=127.0.0.1:{peer}",
+                    "--cluster.peer-timeout=2s",  # lab time: 15 s in production
+                ]
+            manager = Alertmanager(directory, text, cluster)
+            self.alertmanagers.append(manager)
+            manager.start()
+        self.alertmanager = self.alertmanagers[0]
 
     def close(self) -> None:
         """Stop everything the lab started, whatever state it is in (each part apart: one that
@@ -200,14 +288,18 @@ class Lab:
         with contextlib.ExitStack() as stack:
             stack.callback(self.zulip.close)
             stack.callback(self.stand_in.stop_all)
+            if self.hosts is not None:
+                stack.callback(self.hosts.close)
             if self.fleet is not None:
                 stack.callback(self.fleet.close)
             if self.exporter is not None:
                 stack.callback(self.exporter.stop)
-            if self.alertmanager is not None:
-                stack.callback(self.alertmanager.stop)
+            for manager in self.alertmanagers:
+                stack.callback(manager.stop)
             if self.prometheus is not None:
                 stack.callback(self.prometheus.stop)
+            if self.prometheus_b is not None:
+                stack.callback(self.prometheus_b.stop)
             stack.callback(self.replica.stop)
 
     def phase(self, what: str) -> float:

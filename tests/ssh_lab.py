@@ -65,12 +65,16 @@ def write_wrapper(path: Path, argv: Sequence[str], env: Mapping[str, str]) -> Pa
 
 
 class SshLab:
-    """One sshd with its keys; `add_key(name, command)` before `start()`."""
+    """One sshd with its keys; `add_key(name, command)` before `start()`.
 
-    def __init__(self, directory: Path) -> None:
+    `address`: the loopback address it listens on (the lab gives each host its own, 127.0.0.2…).
+    """
+
+    def __init__(self, directory: Path, address: str = "127.0.0.1") -> None:
         if not SSHD.exists() or shutil.which("ssh") is None:
             raise LabError("openssh-server and openssh-client are needed (make test installs them)")
         self.directory = directory
+        self.address = address
         self.directory.mkdir(parents=True, exist_ok=True)
         self.host_key = keygen(directory / "ssh_host_ed25519_key", "lab host key")
         self.port = free_port()
@@ -85,9 +89,14 @@ class SshLab:
         self.log = directory / "sshd.log"
         self._process: subprocess.Popen[bytes] | None = None
 
-    def add_key(self, name: str, command: str) -> ClientKey:
-        """A client key whose `authorized_keys` entry forces `command` (`restrict`ed)."""
-        private = keygen(self.directory / f"client_{name}", f"lab client {name}")
+    def add_key(self, name: str, command: str, private: Path | None = None) -> ClientKey:
+        """A client key whose `authorized_keys` entry forces `command` (`restrict`ed).
+
+        `private`: an existing key pair to authorize (one remediator key for several hosts,
+        as in production); else a new one is made.
+        """
+        if private is None:
+            private = keygen(self.directory / f"client_{name}", f"lab client {name}")
         key = ClientKey(name, private, Path(f"{private}.pub"), command)
         self.keys[name] = key
         return key
@@ -102,7 +111,7 @@ class SshLab:
         config = self.directory / "sshd_config"
         config.write_text(
             f"Port {self.port}\n"
-            "ListenAddress 127.0.0.1\n"
+            f"ListenAddress {self.address}\n"
             f"HostKey {self.host_key}\n"
             f"PidFile {self.directory / 'sshd.pid'}\n"
             f"AuthorizedKeysFile {authorized}\n"
@@ -116,7 +125,9 @@ class SshLab:
             "LogLevel VERBOSE\n"
         )
         host_public = Path(f"{self.host_key}.pub").read_text().split()
-        self.known_hosts.write_text(f"[127.0.0.1]:{self.port} {host_public[0]} {host_public[1]}\n")
+        self.known_hosts.write_text(
+            f"[{self.address}]:{self.port} {host_public[0]} {host_public[1]}\n"
+        )
         return config
 
     def start(self, timeout: float = 15.0) -> SshLab:
@@ -137,7 +148,7 @@ class SshLab:
                 raise LabError(f"sshd exited {self._process.returncode}: {self.log.read_text()}")
             with socket.socket() as probe:
                 probe.settimeout(0.2)
-                if probe.connect_ex(("127.0.0.1", self.port)) == 0:
+                if probe.connect_ex((self.address, self.port)) == 0:
                     return self
             time.sleep(0.05)
         raise LabError(f"sshd did not listen on {self.port}: {self.log.read_text()}")

@@ -149,6 +149,14 @@ def apu_spec(card: int = 1, pci_slot: str = "0000:c5:00.0") -> AmdCardSpec:
     )
 
 
+def strix_halo_spec(card: int = 0, pci_slot: str = "0000:c5:00.0") -> AmdCardSpec:
+    """`apu_spec` with amdgpu's `power1_cap*` files (the package's sustained power limit), as a
+    Strix Halo box that lets its APU's cap be lowered shows them: what the lab's APU host and
+    the apu-temperature-critical playbook's `set_power_cap` need."""
+    cap = PowerCapSpec(current=120_000_000, default=120_000_000, min=45_000_000, max=140_000_000)
+    return replace(apu_spec(card, pci_slot), power_cap=cap)
+
+
 @dataclass(frozen=True)
 class WrittenCard:
     """Where a written card's files are."""

@@ -30,7 +30,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -420,8 +420,12 @@ class Receiver:
 class Alertmanager:
     """Debian's Alertmanager on a free port, running a config from `text`."""
 
-    def __init__(self, tmp_path: Path, text: str) -> None:
+    def __init__(
+        self, tmp_path: Path, text: str, cluster: Sequence[str] = ("--cluster.listen-address=",)
+    ) -> None:
+        """`cluster`: its `--cluster.*` flags (default: no gossip port, a single instance)."""
         self.directory = tmp_path
+        self.cluster = list(cluster)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.config = tmp_path / "alertmanager.yml"
@@ -440,7 +444,7 @@ class Alertmanager:
                 f"--config.file={self.config}",
                 f"--storage.path={self.directory / 'data'}",
                 f"--web.listen-address=127.0.0.1:{self.port}",
-                "--cluster.listen-address=",  # no gossip port: a single instance
+                *self.cluster,
             ],
             stdin=subprocess.DEVNULL,
             stdout=self._log,

@@ -29,10 +29,19 @@ that process for real, detached like a service. A real llama-server from the lab
     finally:
         stand_in.stop_all()   # services are detached: a test must stop them, pass or fail
 
-`exec_start_pre=[...]` runs a command before each start, like ExecStartPre= (a non-zero exit
-fails the start); `env={...}` adds to the service's environment (systemd's minimal one:
-`PATH`, `LANG`). The process's output and systemd's own lines go to `log_path(unit)`, which
-the journalctl stand-in prints in `short-iso` form (`journalctl -u UNIT -n 50 -o short-iso`).
+`exec_start_pre=[...]` runs a command before each start, automatic restarts included, like
+ExecStartPre= (a non-zero exit fails that start); `env={...}` adds to the service's
+environment (systemd's minimal one: `PATH`, `LANG`). `restart="on-failure"` (or `"always"`)
+with `restart_sec=` is systemd's Restart=/RestartSec=: the unit's supervisor (a detached
+process of the stand-in, the main process's parent, as PID 1 is) starts it again after an
+unclean exit and counts `NRestarts`; `start_limit_interval_seconds=`/`start_limit_burst=`
+(systemd's defaults 10 s and 5) is the start limit, after which the unit is `failed` with
+`Result=start-limit-hit` until `systemctl reset-failed`. A `stop` is never restarted. The
+process's output and systemd's own lines go to `log_path(unit)`, which the journalctl
+stand-in prints in `short-iso` form (`journalctl -u UNIT -n 50 -o short-iso`).
+
+`stop_all()` kills every supervisor first (so nothing is restarted), then every process a unit
+started: nothing the stand-in started outlives a test that calls it, pass or fail.
 """
 
 from __future__ import annotations
@@ -105,9 +114,19 @@ class SystemctlStandIn:
         env: dict[str, str] | None = None,
         stop_timeout_seconds: float = 10.0,
         start_check_seconds: float = 0.3,
+        restart: str = "no",
+        restart_sec: float = 0.1,
+        start_limit_interval_seconds: float = 10.0,
+        start_limit_burst: int = 5,
         **properties: Any,
     ) -> None:
-        """Declare a unit that `systemctl start` really starts (`argv` is its ExecStart=)."""
+        """Declare a unit that `systemctl start` really starts (`argv` is its ExecStart=).
+
+        `restart`: Restart= (`no`, `on-failure`, `always`); `restart_sec`: RestartSec=;
+        `start_limit_*`: StartLimitIntervalSec= and StartLimitBurst= (an interval of 0: none).
+        """
+        if restart not in ("no", "on-failure", "always"):
+            raise ValueError(f"restart: {restart!r} is not one of no, on-failure, always")
         self.set_unit(
             unit,
             LoadState="loaded",
@@ -120,6 +139,10 @@ class SystemctlStandIn:
             _env=dict(env or {}),
             _stop_timeout_seconds=stop_timeout_seconds,
             _start_check_seconds=start_check_seconds,
+            _restart=restart,
+            _restart_sec=restart_sec,
+            _start_limit_interval_seconds=start_limit_interval_seconds,
+            _start_limit_burst=start_limit_burst,
             **properties,
         )
 
@@ -143,16 +166,44 @@ class SystemctlStandIn:
         path = Path(str(self.state_path) + ".calls")
         return path.read_text().splitlines() if path.exists() else []
 
+    def restarts(self, unit: str) -> int:
+        """The unit's NRestarts as recorded."""
+        return int(self.units.get(unit, {}).get("NRestarts") or 0)
+
     def stop_all(self, timeout: float = 5.0) -> None:
-        """SIGKILL the process group of every service the stand-in started (test teardown)."""
-        for state in self.units.values():
-            pid = int(state.get("MainPID") or 0)
-            if pid and state.get("_managed"):
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(pid, signal.SIGKILL)
-                deadline = time.monotonic() + timeout
-                while _running(pid) and time.monotonic() < deadline:
-                    time.sleep(0.02)
+        """SIGKILL every supervisor, then every process group a unit started (test teardown).
+
+        Under the state's lock: a supervisor starts a process and records it under that lock,
+        so none is started unrecorded; killed first, none is restarted afterwards.
+        """
+        targets: list[tuple[int, int | None]] = []
+        with self._locked() as state:
+            for unit_state in state["units"].values():
+                unit_state["_stopping"] = True
+                for role in ("supervisor", "control", "main"):
+                    pid = int(unit_state.get(f"_{role}_pid") or 0)
+                    ticks = unit_state.get(f"_{role}_ticks")
+                    if pid and _start_ticks(pid) == ticks:
+                        targets.append((pid, ticks))
+                        with contextlib.suppress(ProcessLookupError, PermissionError):
+                            if role == "supervisor":
+                                os.kill(pid, signal.SIGKILL)
+                            else:
+                                os.killpg(pid, signal.SIGKILL)
+        deadline = time.monotonic() + timeout
+        for pid, ticks in targets:
+            while _start_ticks(pid) == ticks and time.monotonic() < deadline:
+                time.sleep(0.02)
+
+    def leftovers(self) -> list[int]:
+        """Pids of the stand-in's processes (supervisors, pre-starts, mains) still running."""
+        found = []
+        for unit_state in self.units.values():
+            for role in ("supervisor", "control", "main"):
+                pid = int(unit_state.get(f"_{role}_pid") or 0)
+                if pid and _start_ticks(pid) == unit_state.get(f"_{role}_ticks"):
+                    found.append(pid)
+        return found
 
     # -- PATH -------------------------------------------------------------------------------
 
@@ -170,10 +221,18 @@ class SystemctlStandIn:
         monkeypatch.setenv("GPUFLEET_SYSTEMCTL_STATE", str(self.state_path))
 
 
-def _running(pid: int) -> bool:
-    """Whether `pid` runs (a zombie has exited: nobody may reap the stand-in's orphans)."""
+def _start_ticks(pid: int) -> int | None:
+    """`/proc/PID/stat` starttime; None when gone or a zombie (nobody reaps the orphans here)."""
     try:
         text = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
-        return False
-    return text[text.rfind(")") + 2 :].split()[0] not in ("Z", "X")
+        return None
+    fields = text[text.rfind(")") + 2 :].split()
+    if not fields or fields[0] in ("Z", "X"):
+        return None
+    return int(fields[19])
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` runs (a zombie has exited: nobody may reap the stand-in's orphans)."""
+    return _start_ticks(pid) is not None

@@ -921,4 +921,4 @@ def render_text(status: FleetStatus, *, color: bool = False) -> str:
                     f"{_when(run.not_before)}"
                 )
             )
-    return "\n".join(out) + "\n"
+    return "\n".join(line.rstrip() for line in out) + "\n"

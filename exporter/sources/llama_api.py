@@ -150,8 +150,12 @@ def _json(body: bytes) -> Any:
 
 
 def _int(value: object) -> int | None:
-    # bool is an int in Python; JSON true must not read as 1 slot.
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+    # bool is an int in Python; JSON true must not read as 1 slot. Python's JSON reads integers
+    # of any length, llama-server writes 64-bit ones: a longer one is garbage, and one past a
+    # float's range would make the exposition fail for the whole exporter (samples are floats).
+    if isinstance(value, int) and not isinstance(value, bool) and -(2**63) <= value < 2**64:
+        return value
+    return None
 
 
 def parse_props(body: bytes) -> Props:

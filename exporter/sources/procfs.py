@@ -42,6 +42,19 @@ def _pid_file(procfs: str, pid: int, name: str) -> bytes | None:
     return _read(os.path.join(procfs, str(pid), name))
 
 
+def _number(field: bytes) -> int:
+    """A decimal field as the kernel prints it; ValueError for anything else.
+
+    int() alone also takes Python's digit separators (b"4_242"), which the kernel never prints,
+    and numbers of any length.
+    """
+    value = int(field) if b"_" not in field else None
+    # The kernel prints at most 64-bit numbers (rsslim is often 2**64 - 1).
+    if value is None or not -(2**63) <= value < 2**64:
+        raise ValueError(f"not a kernel number: {field!r}")
+    return value
+
+
 def _text(data: bytes | None) -> str | None:
     # Command names, paths and cgroup names are bytes to the kernel, not always UTF-8.
     return data.decode("utf-8", "replace") if data is not None else None
@@ -111,7 +124,7 @@ def parse_stat(data: bytes) -> Stat | None:
         return None
     fields = data[closing + 1 :].split()  # fields[0] is field 3
     try:
-        pid = int(data[:opening])
+        pid = _number(data[:opening])
     except ValueError:
         return None
     if not fields:
@@ -119,7 +132,7 @@ def parse_stat(data: bytes) -> Stat | None:
 
     def number(field_number: int) -> int | None:
         try:
-            return int(fields[field_number - 3])
+            return _number(fields[field_number - 3])
         except (IndexError, ValueError):
             return None
 
@@ -160,7 +173,7 @@ def parse_status(data: bytes) -> Status:
 
     def number(key: bytes, position: int, scale: int = 1) -> int | None:
         try:
-            return int(values[key][position]) * scale
+            return _number(values[key][position]) * scale
         except (KeyError, IndexError, ValueError):
             return None
 

@@ -68,13 +68,18 @@ def read_int(path: str, base: int = 10) -> int | None:
     With `base=16` a `0x` prefix is accepted, as in the PCI `vendor`/`device` files (`0x1002`).
     """
     data = read_bytes(path)
-    if data is None:
+    # int() also takes Python's digit separators (b"4_2000" is 42000): the kernel never writes
+    # one, so a file holding one is garbage, not a value.
+    if data is None or b"_" in data:
         return None
     try:
         # int() takes bytes and ignores surrounding whitespace: no decode, no strip.
-        return int(data, base)
+        value = int(data, base)
     except ValueError:
         return None
+    # The kernel's attributes are at most 64-bit; a longer number is garbage, and one past a
+    # float's range would break the exposition (every sample is rendered as a float).
+    return value if -(2**63) <= value < 2**64 else None
 
 
 def read_float(path: str) -> float | None:

@@ -76,6 +76,19 @@ def test_a_lane_has_one_call_in_flight_and_a_second_is_busy_at_once(
     assert third.answer().detail != BUSY_DETAIL
 
 
+def test_the_wait_ends_at_the_request_timeout_not_past_it(
+    lanes: Lanes, trickler: LlamaStandIn
+) -> None:
+    # The timeout bounds the wait as well as the call: the call is cut a margin before it,
+    # so a scrape waits no longer than its servers' timeouts.
+    before = time.monotonic()
+    pending = lanes.start(("t", "metrics"), Request(f"{trickler.url}/metrics", 0.5))
+    after = time.monotonic()
+    assert before + 0.5 <= pending.deadline <= after + 0.5
+    lanes.wait([pending])
+    assert pending.answer().outcome is Outcome.TIMEOUT  # trickling: cut, or still running
+
+
 def test_workers_are_bounded_a_call_beyond_them_is_busy_not_queued(
     lanes: Lanes, trickler: LlamaStandIn
 ) -> None:

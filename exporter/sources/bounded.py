@@ -9,6 +9,10 @@ hung or SIGSTOPped server costs its own series only:
 - `/health` is a lane of its own, so it is never queued behind `/metrics` or `/slots`.
 - Every call is bounded as a whole (connect + headers + body) by `http_client.call`'s
   watchdog; a lane is therefore busy for at most its timeout.
+- The timeout bounds the wait too: `wait` returns by the request's timeout from `start`, and the
+  call is cut `MARGIN_SECONDS` sooner (an absolute deadline, so a worker that starts late on a
+  loaded CPU does not push it back), so that it can report its own timeout first. A scrape
+  waits no longer than its servers' timeouts.
 - The workers are a fixed pool (`max_workers`). When all are taken a new call is refused as
   busy rather than queued: the number of threads never grows with the number of hung calls.
 
@@ -22,19 +26,20 @@ import concurrent.futures
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from exporter.sources.http_client import Answer, Outcome, Watchdog, call
 
-# Past the calls' own deadline, so that a call that times out reports it itself (with its
-# detail) rather than being read as "still running".
+# Between a call's own cut and its waiter's deadline, so that a call that times out reports
+# it itself (with its detail) rather than being read as "still running". Taken out of the
+# request's timeout, not added to it: the wait ends at the timeout.
 MARGIN_SECONDS = 0.05
 BUSY_DETAIL = "the previous call is still in flight"
 
 
 @dataclass(frozen=True)
 class Request:
-    """One HTTP call to make: `timeout` bounds it as a whole."""
+    """One HTTP call to make: `timeout` bounds it as a whole, the wait for its answer included."""
 
     url: str
     timeout: float
@@ -83,7 +88,8 @@ class Lanes:
 
     def start(self, lane: Hashable, request: Request) -> Pending:
         """Start `request` on `lane`, unless a call of that lane (or every worker) is busy."""
-        deadline = self.clock() + request.timeout + MARGIN_SECONDS
+        deadline = self.clock() + request.timeout
+        cut = deadline - min(MARGIN_SECONDS, request.timeout / 4)
         with self._lock:
             previous = self._inflight.get(lane)
             if previous is not None and not previous.done():
@@ -94,7 +100,7 @@ class Lanes:
             # Lanes whose call ended are forgotten, so router models that come and go do not
             # grow the map.
             self._inflight = {k: f for k, f in self._inflight.items() if not f.done()}
-            future = self._pool.submit(self.call, request)
+            future = self._pool.submit(self._call_by, request, cut)
             self._inflight[lane] = future
         return Pending(future, deadline)
 
@@ -108,6 +114,13 @@ class Lanes:
             body=request.body,
             headers=dict(request.headers),
         )
+
+    def _call_by(self, request: Request, cut: float) -> Answer:
+        # The time left is counted from `start`, not from when a worker got to it.
+        left = cut - self.clock()
+        if left <= 0:
+            return Answer(Outcome.TIMEOUT, detail="no worker started it before its deadline")
+        return self.call(replace(request, timeout=left))
 
     def wait(self, pending: Iterable[Pending]) -> None:
         """Wait until every call is done or its deadline has passed."""

@@ -345,7 +345,10 @@ def test_a_lost_replicas_run_is_taken_over_and_it_acts_no_more(tmp_path: Path, h
             [run] = replicas[0].runs()
             owner = next(r for r in replicas if run["owner"].endswith(r.setup.config.parent.name))
             other = next(r for r in replicas if r is not owner)
-            assert owner.proc is not None and proxy.blocked["deploy-1"]
+            # `running` is claimed and judged; the drain is its first step, a moment later.
+            wait_until(lambda: proxy.blocked.get("deploy-1", False), timeout=30,
+                       what="the drain to block the deployment")  # fmt: skip
+            assert owner.proc is not None
             owner.proc.send_signal(getattr(signal, how))
             lost = time.monotonic()
             wait_until(

@@ -453,7 +453,7 @@ class Engine:
     def restore_power_caps(self) -> list[str]:
         """Restore due power caps (actions/power.py); never raises (the heartbeat calls it)."""
         try:
-            return restore_due_power_caps(
+            done = restore_due_power_caps(
                 self.journal,
                 self.roster,
                 self.settings.actions,
@@ -464,6 +464,31 @@ class Engine:
             # Like a broken action: logged, and the heartbeat (run liveness) goes on.
             log.exception("power-cap restores failed")
             return []
+        self._report_restores(done)
+        return done
+
+    def _report_restores(self, done: Sequence[str]) -> None:
+        """One line in the GPU topic per cap given back (or dropped).
+
+        The run's report said the cap was lowered and a restore scheduled; people must also
+        learn that it came back (or why not).
+        """
+        if self.reporter is None:
+            return
+        topic = self.reporter.topic({"category": "gpu"})
+        for line in done:
+            target, _, what = line.partition(": ")
+            if what == "restored":
+                text = (
+                    f"🔋 **Power cap restored** — `{target}`: its temperature stayed normal "
+                    "through the playbook's window; the cap from before the remediation is back."
+                )
+            else:
+                text = f"⚠️ **Power-cap restore {what}** — `{target}`: its cap stays as it is."
+            try:
+                self.journal.enqueue_report(topic, text)
+            except JournalError as exc:
+                log.warning("cannot queue the report of %s: %s", line, exc)
 
     # -- one run ------------------------------------------------------------------------------
 

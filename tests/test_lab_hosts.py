@@ -133,6 +133,11 @@ def test_hot_gpu_and_apu_are_capped_one_step_on_the_right_card_then_restored(
                      f"the healed report of {target}")  # fmt: skip
             report = healed_report(target)
             assert report is not None and f"`{playbook}` on `{target}`" in report, report
+        # The restores are reported too: the run's report had promised them.
+        for target in ("gpu/nvhost/1", "gpu/apuhost/0"):
+            line = f"🔋 **Power cap restored** — `{target}`"
+            lab.wait(lambda line=line: any(line in r for r in lab.reports()),
+                     f"the restore's report of {target}")  # fmt: skip
         # One problem, one run, however often Alertmanager resent it.
         summary = [(r["id"], r["alert"]["labels"], r["decision"], r["outcome"], r["reason"])
                    for r in lab.runs()]  # fmt: skip

@@ -127,6 +127,8 @@ def test_registration_refuses_bad_names_duplicates_and_lax_models() -> None:
         action("wait", _TestParams)(fn)
     with pytest.raises(ValueError, match="lower_snake_case"):
         action("Restart-Unit", _TestParams)
+    with pytest.raises(ValueError, match="read-only action cannot be disruptive"):
+        action("look_and_touch", _TestParams, read_only=True, disruptive=True)
     with pytest.raises(ValueError, match="reserved"):
         action("timeout_seconds", _TestParams)
 

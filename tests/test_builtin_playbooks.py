@@ -21,8 +21,10 @@ import pytest
 from exporter.http import MetricsServer
 from exporter.registry import ExporterSettings, build_registry
 from exporter.roster import load_roster
+from remediator.actions.registry import get_action
 from remediator.alerts import Alert
 from remediator.config import load_config
+from remediator.playbooks.budget import disruption_set
 from remediator.playbooks.loader import Rejection, Target, load_playbooks
 from remediator.playbooks.model import match_playbook, resolve_target
 from remediator.service import build_services
@@ -110,6 +112,27 @@ def test_what_the_playbooks_do() -> None:
         for acting in ("restart_server", "kill_port_ghost"):
             if acting in names:
                 assert names.index("capture_evidence") < names.index(acting), playbook.name
+
+
+def test_evidence_and_people_spend_no_budget_that_a_fix_needs() -> None:
+    # A crash loop's playbook gathers evidence and calls people; the loop's fix (a port ghost
+    # killed, the unit restarted) is another playbook on the same server. Were the first one
+    # disruptive, its hour-long cooldown would hold the fix off for that hour.
+    by_name = {p.name: p for p in load_playbooks(None)}
+    labels = labels_for("server")
+    for name in ("llama-server-crash-looping", "llama-server-saturated", "gpu-compute-mode-drift",
+                 "gpu-lost", "gpu-lost-host"):  # fmt: skip
+        playbook = by_name[name]
+        target = resolve_target(playbook, alert("X", **labels, gpu="0"), ROSTER)
+        assert isinstance(target, Target)
+        assert disruption_set(playbook, target, ROSTER) == (), name
+    ghost = by_name["port-ghost"]
+    target = resolve_target(ghost, alert("PortGhost", **labels), ROSTER)
+    assert isinstance(target, Target)
+    assert disruption_set(ghost, target, ROSTER) == (target.key,)
+    assert get_action("escalate").disruptive is False
+    assert get_action("escalate").read_only is False  # it calls people: not under dry-run
+    assert get_action("restart_server").disruptive is True
 
 
 def test_hostile_labels_never_reach_a_node_command() -> None:

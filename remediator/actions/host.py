@@ -175,7 +175,10 @@ class EscalateParams(ActionParams):
     why: str = Field(min_length=1, max_length=500)
 
 
-@action("escalate", EscalateParams, default_timeout_seconds=5.0)
+# Not disruptive: it touches no target, so a playbook that only gathers evidence and calls
+# people (llama-server-crash-looping) spends no budget and leaves no cooldown — a crash loop's
+# real fix (a port ghost killed) must not wait an hour behind it.
+@action("escalate", EscalateParams, default_timeout_seconds=5.0, disruptive=False)
 def escalate(ctx: ActionContext, params: EscalateParams) -> StepResult:
     """Ask the engine to escalate the run to people (an event, a metric, a report)."""
     return StepResult(True, f"escalated to people: {params.why}", escalate=params.why)

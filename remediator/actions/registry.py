@@ -135,7 +135,11 @@ class RegisteredAction:
     """A registered action: its name, params model, function and default time limit.
 
     `read_only` actions observe and change nothing (probes, checks, waits): they may serve as
-    a playbook's verification probe, and they run for real under dry-run.
+    a playbook's verification probe, and they run for real under dry-run. `disruptive`
+    actions touch their target (restart, drain, cap, kill): only they spend the target's
+    disruption budget (`playbooks/budget.py`). Every action that is not read-only is
+    disruptive unless it says otherwise: `escalate` changes something (it calls people, so
+    it does not run under dry-run) but touches no target.
     """
 
     name: str
@@ -144,6 +148,7 @@ class RegisteredAction:
     default_timeout_seconds: float
     read_only: bool = False
     undo_first: Callable[[ActionContext, Any], Undo | None] | None = None
+    disruptive: bool = True
 
     def parse_params(self, raw: Mapping[str, Any]) -> BaseModel:
         """Validate filled params; raises `pydantic.ValidationError`."""
@@ -167,6 +172,7 @@ def action(
     default_timeout_seconds: float = 60.0,
     read_only: bool = False,
     undo_first: Callable[[ActionContext, P], Undo | None] | None = None,
+    disruptive: bool | None = None,
 ) -> Callable[[Callable[[ActionContext, P], StepResult]], Callable[[ActionContext, P], StepResult]]:
     """Register `fn(ctx, params) -> StepResult` as the action `name` taking `params`.
 
@@ -175,13 +181,17 @@ def action(
     so a crash in the middle of the step still leaves the undo to run. An action whose
     result then carries no undo had nothing to undo; the engine marks it not needed.
 
-    Raises `ValueError` for a bad or taken name, a non-positive default time limit, or a
-    params model that accepts unknown keys.
+    `disruptive` defaults to `not read_only`; a read-only action is never disruptive.
+
+    Raises `ValueError` for a bad or taken name, a non-positive default time limit, a
+    params model that accepts unknown keys, or a read-only action said to be disruptive.
     """
     if not _ACTION_NAME.match(name) or name in RESERVED_STEP_KEYS:
         raise ValueError(f"action name {name!r}: use lower_snake_case, not a reserved step key")
     if default_timeout_seconds <= 0:
         raise ValueError(f"action {name}: default_timeout_seconds must be > 0")
+    if read_only and disruptive:
+        raise ValueError(f"action {name}: a read-only action cannot be disruptive")
     if params.model_config.get("extra") != "forbid":
         raise ValueError(
             f"action {name}: params model {params.__name__} must forbid extra keys "
@@ -201,6 +211,7 @@ def action(
                 default_timeout_seconds=default_timeout_seconds,
                 read_only=read_only,
                 undo_first=undo_first,
+                disruptive=not read_only if disruptive is None else disruptive,
             )
         return fn
 

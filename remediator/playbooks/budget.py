@@ -13,9 +13,10 @@ cooling down holds off a power cap of its GPU (which would slow it) as much as a
 restart. Nothing above is taken: a server's run does not cool its host down, so the host's
 other servers stay free.
 
-A playbook whose steps are all read-only (probes, checks, waits) disrupts nothing: its set is
-empty. `policy.budget_scope: target` narrows the set to the target itself (for a playbook
-whose actions touch only that, e.g. one that reads a GPU's evidence and caps nothing).
+A playbook none of whose steps is a disruptive action (probes, checks, waits, evidence, an
+escalation to people: `RegisteredAction.disruptive`) disrupts nothing: its set is empty.
+`policy.budget_scope: target` narrows the set to the target itself (for a playbook whose
+actions touch only that, e.g. one that reads a GPU's evidence and caps nothing).
 
 Check by hand: `gpu-fleet-remediator replay --dry-run` shows each run's target; the set is
 journaled per running run in `run_targets`.
@@ -28,14 +29,14 @@ from remediator.actions.registry import get_action
 from remediator.playbooks.model import Playbook, Target, expected_gpu_count
 
 
-def is_read_only(playbook: Playbook) -> bool:
-    """True when every step of `playbook` is a read-only action (it changes nothing)."""
-    return all(get_action(step.action).read_only for step in playbook.steps)
+def disrupts_nothing(playbook: Playbook) -> bool:
+    """True when no step of `playbook` is a disruptive action (none touches a target)."""
+    return not any(get_action(step.action).disruptive for step in playbook.steps)
 
 
 def disruption_set(playbook: Playbook, target: Target, roster: Roster) -> tuple[str, ...]:
     """The target keys a run of `playbook` on `target` disrupts, its own key first."""
-    if is_read_only(playbook):
+    if disrupts_nothing(playbook):
         return ()
     if playbook.policy.budget_scope == "target" or target.kind == "server":
         return (target.key,)

@@ -728,10 +728,9 @@ def _server_state(server: ServerStatus) -> str:
     if server.state is None:
         return "?" if server.unit_active is not False else "inactive"
     if server.state == "router" and server.router_models:
-        counts: dict[str, int] = defaultdict(int)
-        for state in server.router_models.values():
-            counts[state] += 1
-        return "router " + ",".join(f"{n}{s[0]}" for s, n in sorted(counts.items()))
+        # Loaded of listed (the JSON has each model's state).
+        loaded = sum(1 for state in server.router_models.values() if state == "loaded")
+        return f"router {loaded}/{len(server.router_models)}"
     return server.state
 
 
@@ -819,6 +818,8 @@ def _server_lines(host: HostStatus, paint: _Painter) -> list[str]:
             paint(_fit(_yes(server.ghost), 5), "bad" if server.ghost else None),
         ]
         lines.append("  " + " ".join(cells))
+    if any(not server.in_roster for server in host.servers):
+        lines.append("  (!: served and scraped, but not in the roster)")
     return lines
 
 

@@ -760,7 +760,9 @@ def render_page(
         f"<title>gpu-fleet remediator</title><style>{_STYLE}</style></head><body>"
         f"<h1>gpu-fleet remediator</h1><p class=dim>{_when(status.at)} · refreshes every "
         f"{REFRESH_SECONDS} s · read-only: each view names the <code>{CLI}</code> command "
-        "that acts · <a href='#fleet'>fleet</a> · <a href='#rails'>rails</a> · "
+        "that acts (add <code>--config FILE</code> where it is not "
+        "<code>/etc/gpu-fleet/remediator.yaml</code>) · <a href='#fleet'>fleet</a> · "
+        "<a href='#rails'>rails</a> · "
         "<a href='#runs'>runs</a> · <a href='#outbox'>outbox</a></p>"
         + "".join(banners)
         + f"<h2 id=fleet>Fleet</h2><p class=act>The same view in a terminal: "

@@ -48,6 +48,11 @@ gpufleet_llama_health{{server="alpha",state="loading"}} 0
 gpufleet_llama_health{{server="beta",state="ok"}} 1
 gpufleet_llama_health{{server="stray",state="ok"}} 0
 gpufleet_llama_health{{server="stray",state="unreachable"}} 1
+gpufleet_llama_health{{server="omni",state="ok"}} 1
+# TYPE gpufleet_llama_model_state gauge
+gpufleet_llama_model_state{{server="omni",served_model="qwen",state="loaded"}} 1
+gpufleet_llama_model_state{{server="omni",served_model="qwen",state="unloaded"}} 0
+gpufleet_llama_model_state{{server="omni",served_model="gemma",state="sleeping"}} 1
 # TYPE gpufleet_llama_sleeping gauge
 gpufleet_llama_sleeping{{server="alpha"}} 0
 gpufleet_llama_sleeping{{server="beta"}} 1
@@ -151,6 +156,8 @@ def test_the_table_fits_100_columns_and_shows_both_sides(lab: Lab) -> None:
     assert "sleeping" in beta and beta.rstrip().endswith("yes")  # a ghost on its port
     stray = next(line for line in lines if line.startswith("  stray! "))
     assert "unreachable" in stray
+    omni = next(line for line in lines if line.startswith("  omni! "))
+    assert "router 1/2" in omni  # a router: loaded of listed models
     # The remediator's side.
     assert "remediation PAUSED by cli:" in text and ": deploy" in text
     assert "breaker OPEN server/dioscuri/alpha" in text
@@ -186,6 +193,8 @@ def test_json_carries_the_fields_and_unknown_is_null(lab: Lab) -> None:
     # Not known is null, never 0: beta's slots are not exported while it sleeps.
     assert servers["beta"]["slots_busy"] is None and servers["beta"]["deferred"] is None
     assert servers["stray"]["in_roster"] is False and servers["stray"]["model"] == HOSTILE
+    assert servers["omni"]["state"] == "router"
+    assert servers["omni"]["router_models"] == {"gemma": "sleeping", "qwen": "loaded"}
     [breaker] = dioscuri["breakers"]
     assert breaker["target"] == "server/dioscuri/alpha" and breaker["playbook"] == "probe-llama"
     assert [c["target"] for c in dioscuri["cooldowns"]] == ["server/dioscuri/alpha"]

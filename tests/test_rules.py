@@ -114,6 +114,12 @@ DASHBOARD_SERIES = (
     "server_model:gpufleet_tokens_per_second:ratio",
 )
 DASHBOARD_LABELS = {"host", "server", "role", "model"}
+# ...and a router's models (llama-server --models-dir), one series per served model (issue 15).
+ROUTER_LABELS = DASHBOARD_LABELS | {"served_model"}
+# The card of each model server, which the server alerts join: one series per server, `gpu`
+# only where the roster gives it (issue 19).
+SERVER_GPU_SERIES = "server:gpufleet_server_gpu:info"
+SERVER_GPU_LABELS = {"host", "instance", "server"}
 # A playbook's target kind and the alert labels it resolves the target by
 # (remediator/playbooks/loader.py, "Targets").
 PLAYBOOK_TARGET_LABELS = {"host": {"host"}, "server": {"host", "server"}, "gpu": {"host", "gpu"}}
@@ -341,11 +347,9 @@ def test_runbook_has_its_sections(name: str) -> None:
         assert f"\n{section}\n" in text, f"{name}: runbook lacks {section!r}"
 
 
-@pytest.mark.parametrize("series", DASHBOARD_SERIES)
-def test_dashboard_series_keep_their_name_and_labels(series: str) -> None:
-    assert series in {rule.get("record") for rule in rules_of(RECORDING_FILE)}
-    # A unit test evaluates the series and names every label of the result: exactly these.
-    label_sets = [
+def evaluated_label_sets(series: str) -> list[set[str]]:
+    """The label names of every sample a promql_expr_test expects of `series`."""
+    return [
         set(re.findall(r'([a-zA-Z_][a-zA-Z0-9_]*)="', sample["labels"]))
         for path in TEST_FILES
         for group in load(path)["tests"]
@@ -353,8 +357,27 @@ def test_dashboard_series_keep_their_name_and_labels(series: str) -> None:
         if series in test["expr"]
         for sample in test.get("exp_samples") or []
     ]
+
+
+@pytest.mark.parametrize("series", DASHBOARD_SERIES)
+def test_dashboard_series_keep_their_name_and_labels(series: str) -> None:
+    assert series in {rule.get("record") for rule in rules_of(RECORDING_FILE)}
+    # A unit test evaluates the series and names every label of the result: exactly these, a
+    # plain server's and a router model's (with served_model) both evaluated.
+    label_sets = evaluated_label_sets(series)
     assert label_sets, f"no promql_expr_test evaluates {series}"
-    assert all(labels == DASHBOARD_LABELS for labels in label_sets), label_sets
+    assert all(labels in (DASHBOARD_LABELS, ROUTER_LABELS) for labels in label_sets), label_sets
+    assert DASHBOARD_LABELS in label_sets and ROUTER_LABELS in label_sets, label_sets
+
+
+def test_the_server_gpu_series_keeps_its_labels() -> None:
+    assert SERVER_GPU_SERIES in {rule.get("record") for rule in rules_of(RECORDING_FILE)}
+    # The series itself, not an aggregation of it (`count by (host, server) (...)`).
+    label_sets = [
+        labels for labels in evaluated_label_sets(SERVER_GPU_SERIES) if labels >= {"instance"}
+    ]
+    assert SERVER_GPU_LABELS in label_sets and SERVER_GPU_LABELS | {"gpu"} in label_sets
+    assert all(labels in (SERVER_GPU_LABELS, SERVER_GPU_LABELS | {"gpu"}) for labels in label_sets)
 
 
 def handled_by(playbook: Playbook, alertname: str, labels: dict[str, str]) -> bool:

@@ -11,9 +11,9 @@
   token file point at a receiver in this test, and `group_wait`/`group_interval` are 1 s (the
   resolved notification comes on a group interval). Through its API v2 we post alerts and check
   what the receiver gets: version-4 bodies that the remediator's own parser accepts, the bearer
-  token, the inhibitions (exporter down silences its host; a lost GPU its GPU and its host's
-  servers), a resolved notification, and `max_alerts` keeping a worst-case body under the
-  remediator's 1 MiB limit.
+  token, the inhibitions (exporter down silences its host; a lost GPU its GPU and the servers
+  of that card, and those of no known card), a resolved notification, and `max_alerts`
+  keeping a worst-case body under the remediator's 1 MiB limit.
 Missing binaries fail the tests, never skip them.
 """
 
@@ -121,6 +121,9 @@ SELF_ALERTS = {
     "GpuFleetRemediatorDegraded",
 } | PIPELINE_ALERTS
 LLAMA_ALERTS = {name for name in ALERT_NAMES if name.startswith("LlamaServer")}
+# The model servers' alerts, which carry the roster's `gpu` of the server (issue 19): a lost
+# GPU silences those of its card.
+SERVER_ALERTS = LLAMA_ALERTS | {"VllmServerDown", "VllmServerSaturated", "TokensPerSecondDegraded"}
 GPU_READING_ALERTS = {
     "GpuTemperatureCritical",
     "GpuTemperatureHigh",
@@ -317,12 +320,16 @@ def matching(regex: str, names: set[str]) -> set[str]:
     return {name for name in names if re.fullmatch(f"(?:{regex})", name)}
 
 
-def inhibition_targets(source: str, equal: list[str]) -> set[str]:
+def inhibition_targets(source: str, equal: list[str], *, also: tuple[str, ...] = ()) -> set[str]:
+    """The alerts the inhibitions by `source` with this `equal` silence; `also`: the target
+    matchers besides the alertname one (`gpu=""` and the like), exactly."""
     config = load_yaml(ALERTMANAGER_EXAMPLE)
     targets: set[str] = set()
     for rule in config["inhibit_rules"]:
         if rule["source_matchers"][0] == f'alertname="{source}"' and rule["equal"] == equal:
-            (matcher,) = rule["target_matchers"]
+            matcher, *others = rule["target_matchers"]
+            if tuple(others) != also:
+                continue
             match = re.fullmatch(r'alertname(=~|!~)"(.*)"', matcher)
             assert match, matcher
             matched = matching(match[2], ALERT_NAMES)
@@ -354,7 +361,19 @@ def test_inhibitions_cover_what_they_explain() -> None:
     # Exporter down: every alert of its host but the two about our own components.
     assert inhibition_targets("GpuFleetExporterDown", ["host"]) == ALERT_NAMES - SELF_ALERTS
     assert inhibition_targets("GpuLost", ["host", "gpu"]) == GPU_READING_ALERTS
-    assert inhibition_targets("GpuLost", ["host"]) == LLAMA_ALERTS | {"TokensPerSecondDegraded"}
+    # A lost GPU: the servers of that card (the alerts that carry it), and those of no known
+    # card host-wide; never by host alone a server that names its card.
+    assert inhibition_targets("GpuLost", ["host", "gpu"], also=('gpu=~".+"',)) == SERVER_ALERTS
+    assert inhibition_targets("GpuLost", ["host"], also=('gpu=""',)) == SERVER_ALERTS
+    assert not inhibition_targets("GpuLost", ["host"])
+
+
+def test_the_server_alerts_carry_the_card_their_inhibition_matches() -> None:
+    # Every rule of the alerts GpuLost silences per card joins `gpu` from the servers' info.
+    for rule in alert_rules():
+        if rule["alert"] in SERVER_ALERTS:
+            assert "group_left (gpu)" in rule["expr"], rule["alert"]
+            assert "server:gpufleet_server_gpu:info" in rule["expr"], rule["alert"]
 
 
 # -- a real Alertmanager -----------------------------------------------------------------------
@@ -622,6 +641,67 @@ def test_alerts_reach_the_webhook_with_the_token_and_inhibitions_apply(
         assert item.notification.version == "4"
         assert item.notification.receiver == "gpu-fleet-remediator"
         assert len(item.body) <= MAX_BODY_BYTES
+
+
+def test_a_lost_gpu_silences_the_servers_of_its_card_only(
+    alerting: tuple[Alertmanager, Receiver],
+) -> None:
+    # A 2-GPU host: GPU 0 is lost. The server on GPU 0 is down because of it (silenced); the
+    # one on GPU 1 is down on its own (delivered: on an 8-GPU host, seven cards' servers would
+    # otherwise go unheard); a server with no known card (the roster gives it no `gpu`) is
+    # silenced host-wide, as examples/alertmanager.yml documents. On another host, a GpuLost
+    # that names no card (`cause="missing"`) silences the servers of no known card only.
+    manager, receiver = alerting
+    hosts = {"card-h1", "card-h2"}
+    # Sources first, targets once they are delivered: see the race in the test above.
+    manager.post(
+        [
+            alert("GpuLost", host="card-h1", gpu="0", category="gpu", cause="down"),
+            alert("GpuLost", host="card-h2", vendor="nvidia", category="gpu", cause="missing"),
+        ]
+    )
+    wait_for(
+        lambda: (
+            {(n, h) for n, h, _ in delivered_names(receiver, hosts)}
+            >= {("GpuLost", "card-h1"), ("GpuLost", "card-h2")}
+        ),
+        "the lost GPUs",
+        manager,
+    )
+    down = "LlamaServerDown"
+    manager.post(
+        [
+            alert(down, host="card-h1", server="on0", gpu="0", category="inference"),
+            alert(down, host="card-h1", server="on1", gpu="1", category="inference"),
+            alert(down, host="card-h1", server="cpu", category="inference"),
+            alert("VllmServerDown", host="card-h1", server="v0", gpu="0", category="inference"),
+            alert("TokensPerSecondDegraded", host="card-h1", server="t1", gpu="1",
+                  category="inference", severity="warning"),
+            alert(down, host="card-h2", server="on0", gpu="0", category="inference"),
+            alert(down, host="card-h2", server="cpu", category="inference"),
+        ]
+    )  # fmt: skip
+    expected = {
+        ("GpuLost", "card-h1", "0"),
+        ("GpuLost", "card-h2", ""),
+        (down, "card-h1", "on1"),
+        ("TokensPerSecondDegraded", "card-h1", "t1"),
+        (down, "card-h2", "on0"),
+    }
+    wait_for(lambda: delivered_names(receiver, hosts) >= expected, "the deliveries", manager)
+    time.sleep(2 * FAST)  # a straggler that should not come
+    assert delivered_names(receiver, hosts) == expected
+    suppressed = {
+        (a["labels"]["alertname"], a["labels"]["host"], a["labels"]["server"])
+        for a in manager.alerts()
+        if a["labels"].get("host") in hosts and a["status"]["inhibitedBy"]
+    }
+    assert suppressed == {
+        (down, "card-h1", "on0"),
+        (down, "card-h1", "cpu"),
+        ("VllmServerDown", "card-h1", "v0"),
+        (down, "card-h2", "cpu"),
+    }
 
 
 def test_the_pipelines_own_alerts_reach_people_not_the_remediator(

@@ -250,3 +250,28 @@ def test_a_body_trickling_in_is_cut_at_the_same_deadline() -> None:
         sender.join()
         ours.close()
         peer.close()
+
+
+def test_an_answer_leaves_in_one_write(server: MetricsServer) -> None:
+    # wsgiref writes the status line, two headers, the rest of the headers and the body one
+    # by one; the worker buffers them so the scraper gets one write, not five. A seqpacket
+    # pair keeps each sendall a message of its own, so the writes can be counted.
+    from exporter.http import _Handler, _Pending
+
+    ours, peer = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    request = b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n"
+    pending = _Pending(ours, ("127.0.0.1", 40000), time.monotonic() + 5, "head")
+    pending.head += request
+    try:
+        _Handler(pending, server._front._server)
+        ours.shutdown(socket.SHUT_WR)
+        messages = []
+        while message := peer.recv(1 << 20):
+            messages.append(message)
+    finally:
+        ours.close()
+        peer.close()
+    assert len(messages) == 1, [m[:40] for m in messages]
+    head, _, body = messages[0].partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.0 200 OK") or head.startswith(b"HTTP/1.1 200 OK"), head
+    assert b"\ngpufleet_gpu_info{" in body

@@ -241,6 +241,35 @@ def test_a_start_that_fails_at_once_exits_1(lab: Lab, tmp_path: Path) -> None:
     assert "failed: " in answer.stderr
 
 
+def test_restart_of_a_unit_past_its_start_limit_resets_it_first(lab: Lab, tiny_model: Path) -> None:
+    # A ghost on the port: the real llama-server cannot bind and exits, Restart=on-failure
+    # starts it again, and after StartLimitBurst= starts systemd gives up (start-limit-hit)
+    # and refuses even a manual start. Once the ghost is gone, the node's restart must work.
+    lab.stand_in.declare_service(
+        UNIT, llama_argv(lab.binary, tiny_model, lab.port),
+        restart="on-failure", restart_sec=0.2, start_limit_interval_seconds=600,
+        start_limit_burst=3, stop_timeout_seconds=5,
+    )  # fmt: skip
+    with PythonListener(lab.port) as ghost:
+        # The first start may fail already (the process exits at once): what counts is after.
+        subprocess.run(["systemctl", "start", UNIT], check=False, env=lab.stand_in.env(),
+                       timeout=60)  # fmt: skip
+        wait_until(lambda: lab.stand_in.units[UNIT].get("Result") == "start-limit-hit",
+                   timeout=90, what="the unit to hit its start limit")  # fmt: skip
+        refused = subprocess.run(["systemctl", "start", UNIT], check=False,
+                                 env=lab.stand_in.env(), capture_output=True, text=True,
+                                 timeout=60)  # fmt: skip
+        assert refused.returncode != 0  # systemd's own refusal, which the node must get past
+        ghost.process.kill()
+        ghost.process.wait(timeout=5)
+    answer = lab.node("restart", "alpha", options=("--wait-seconds", "60"))
+    assert answer.code == 0, answer.json
+    assert answer.result["before"]["active_state"] == "failed"
+    assert answer.result["reset_failed"]["exit"] == 0
+    assert answer.result["after"]["active_state"] == "active"
+    lab.wait_healthy()
+
+
 def test_status_names_a_ghost_and_guard_port_over_ssh_clears_it(
     lab: Lab, llama_server: StartLlamaServer
 ) -> None:

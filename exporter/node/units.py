@@ -218,11 +218,21 @@ def unit_job(
 
     start: `active`; restart: `active` with a MainPID other than before; stop: `inactive` or
     `failed`. Raises `SystemdError` when the status cannot be read before anything is done.
+
+    A start or restart of a `failed` unit first runs `systemctl reset-failed UNIT` (in the
+    result as `reset_failed`): a unit that crash-looped into its start limit
+    (`Result=start-limit-hit`) refuses every start until then (systemd.unit(5),
+    StartLimitIntervalSec=), and a crash loop is exactly what the remediator restarts after
+    removing its cause (a port ghost killed). The remediator's own cooldown and breaker keep
+    its restarts from becoming a loop of their own.
     """
     before = unit_status(server, siblings, roots)
     deadline = time.monotonic() + wait_seconds
     result: dict[str, Any] = {"before": before}
     try:
+        if action in ("start", "restart") and before.get("active_state") == "failed":
+            code, stderr = run_unit_job("reset-failed", server.unit, timeout=wait_seconds)
+            result["reset_failed"] = {"exit": code, "stderr": stderr[:MAX_CMDLINE]}
         code, stderr = run_unit_job(action, server.unit, timeout=wait_seconds)
     except SystemdError as exc:
         result["after"] = _part(lambda: unit_status(server, siblings, roots))

@@ -233,12 +233,12 @@ def unit_pids(status: UnitStatus, *, sysfs: str = "/sys", procfs: str = "/proc")
 def run_unit_job(
     action: str, unit: str, *, systemctl: str = SYSTEMCTL, timeout: float = 120.0
 ) -> tuple[int, str]:
-    """Run `systemctl ACTION UNIT` (start, stop, restart): its exit status and stderr.
+    """Run `systemctl ACTION UNIT` (start, stop, restart, reset-failed): exit status, stderr.
 
     An argv list, never a shell; `unit` must already have been checked against the roster.
     Raises `SystemdError` when systemctl cannot be run or does not return within `timeout`.
     """
-    if action not in ("start", "stop", "restart"):
+    if action not in ("start", "stop", "restart", "reset-failed"):
         raise ValueError(f"not a unit job: {action!r}")
     done = run_tool([systemctl, action, unit], timeout=timeout, what=f"{systemctl} {action}")
     return done.returncode, _text(done.stderr).strip()

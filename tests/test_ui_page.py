@@ -14,8 +14,10 @@ no script, no event handler, no link anywhere but http(s) or this origin.
 from __future__ import annotations
 
 import base64
+import html
 import http.client
 import json
+import re
 import ssl
 import subprocess
 from collections.abc import Iterator
@@ -27,6 +29,8 @@ from typing import Any
 
 import bcrypt
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from remediator.config import ConfigError, load_config
 from tests.llama_lab import free_port, stop_process, wait_until
@@ -321,3 +325,55 @@ def test_the_page_password_is_checked_at_start(tmp_path: Path) -> None:
     assert credential.check(_basic("ui", "mine")["Authorization"])
     assert not credential.check(_basic("ui", "other")["Authorization"])
     assert not credential.check(_basic("root", "mine")["Authorization"])
+
+
+GOLDEN = Path(__file__).parent / "golden"
+
+
+@pytest.mark.parametrize("name", ["healed", "cooldown", "notify-only", "resolved"])
+def test_the_golden_reports_render_as_zulip_shows_them(name: str) -> None:
+    from remediator.ui import markdown_html
+
+    rendered = markdown_html((GOLDEN / f"zulip-report-{name}.md").read_text())
+    parser = _Tags()
+    parser.feed(rendered)
+    assert {tag for tag, _ in parser.tags} <= ALLOWED_TAGS
+    assert "**" not in rendered and "](" not in rendered  # no Markdown left unrendered
+    if name in ("healed", "notify-only"):
+        assert "<details class=spoiler><summary>" in rendered and "<pre><code>" in rendered
+        assert '<a href="https://' in rendered or '<a href="http://' in rendered
+    if name == "healed":
+        assert "<table><thead><tr><th>step</th>" in rendered
+        assert "<td><code>restart_server</code></td>" in rendered
+        # markdown.escape's backslashes are gone: `http\_probe` reads http_probe.
+        assert "probe http_probe: ok" in rendered
+    assert "<time datetime=" in rendered
+
+
+# No deadline: a property, not a speed test (speed targets belong in bench/).
+@settings(deadline=None, max_examples=300)
+@given(
+    st.text(
+        alphabet=st.characters(blacklist_characters="&\u200b", blacklist_categories=("Cs",)),
+        max_size=80,
+    )
+)
+def test_alert_text_escaped_for_zulip_renders_as_written(text: str) -> None:
+    """Whatever a label holds, `inline()` then the page's renderer show exactly that text."""
+    from remediator.notify.markdown import cell, code, inline, one_line
+    from remediator.ui import markdown_html
+
+    for written, expected in ((inline(text), one_line(text)), (code(text), one_line(text))):
+        parser = _Tags()
+        parser.feed(markdown_html(f"**x** {written} **y**"))
+        assert {tag for tag, _ in parser.tags} <= {"p", "strong", "code", "br"}, written
+        shown = "".join(parser.text).replace("\u200b", "")
+        assert shown.split() == f"x {expected} y".split(), written
+    table = markdown_html(f"| a | b |\n|---|---|\n| {cell(text)} | z |")
+    parser = _Tags()
+    parser.feed(table)
+    assert {tag for tag, _ in parser.tags} <= {"table", "thead", "tbody", "tr", "th", "td"}
+    assert [tag for tag, _ in parser.tags].count("td") == 2  # a `|` in the text splits nothing
+    first, second = re.findall(r"<td>(.*?)</td>", table)
+    assert html.unescape(first).replace("\u200b", "").split() == one_line(text).split()
+    assert second == "z"

@@ -350,11 +350,13 @@ def test_the_golden_reports_render_as_zulip_shows_them(name: str) -> None:
     assert "<time datetime=" in rendered
 
 
-# No deadline: a property, not a speed test (speed targets belong in bench/).
+# No deadline: a property, not a speed test (speed targets belong in bench/). `&` is left out:
+# notify.markdown does not escape it, so an entity in a label (`&lt;`) means its character in
+# Zulip as on the page; the zero-width space is what markdown.escape adds itself.
 @settings(deadline=None, max_examples=300)
 @given(
     st.text(
-        alphabet=st.characters(blacklist_characters="&\u200b", blacklist_categories=("Cs",)),
+        alphabet=st.characters(exclude_characters="&\u200b", exclude_categories=["Cs"]),
         max_size=80,
     )
 )

@@ -379,3 +379,37 @@ def test_alert_text_escaped_for_zulip_renders_as_written(text: str) -> None:
     first, second = re.findall(r"<td>(.*?)</td>", table)
     assert html.unescape(first).replace("\u200b", "").split() == one_line(text).split()
     assert second == "z"
+
+
+def test_outbox_depth_and_failures_on_the_page_and_in_status(tmp_path: Path) -> None:
+    from remediator.fleet_status import as_json, gather
+    from remediator.service import build_services
+    from remediator.web import create_app
+
+    (tmp_path / "ui.password").write_text(UI_PASSWORD + "\n")
+    setup = write_setup(tmp_path, servers={"alpha": "http://127.0.0.1:9"},
+                        extra=f"ui: {{password_file: {tmp_path / 'ui.password'}}}\n")  # fmt: skip
+    config = load_config(setup.config)
+    services = build_services(config, with_engine=False)
+    try:
+        journal = services.journal
+        journal.enqueue_report("alerts-gpu", "waiting to be sent")
+        refused = journal.enqueue_report("alerts-gpu", "refused")
+        journal.outbox_failed(refused, "Zulip: <b>Stream 'x' does not exist</b>")
+        data = as_json(gather(journal, services.roster, config.prometheus_url))
+        assert data["outbox_depth"] == 1
+        [failure] = data["outbox_failures"]
+        assert failure["id"] == refused and "does not exist" in failure["error"]
+        assert "unreachable" in data["prometheus_error"]  # write_setup's Prometheus: port 9
+        answer = (
+            create_app(config, services)
+            .test_client()
+            .get("/ui/", headers=_basic("ui", UI_PASSWORD))
+        )
+        assert answer.status_code == 200
+        body = answer.get_data(as_text=True)
+        assert "1 report(s) not sent yet" in body and "Reports Zulip refused for good" in body
+        assert "Zulip: &lt;b&gt;Stream &#x27;x&#x27; does not exist&lt;/b&gt;" in body
+        assert "The fleet's values are unknown" in body  # Prometheus down, said so
+    finally:
+        services.close()

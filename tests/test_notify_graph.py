@@ -135,6 +135,17 @@ def openmetrics() -> str:
         lines.append(
             f"gpufleet_gpu_memory_total_bytes{{{labels(gpu='0', pool='vram')}}} {24 * GIB} {at:.0f}"
         )
+    # The recording rules' tok/s of delta (as Prometheus records them: no instance, no job):
+    # 100 tok/s as usual, 45 from 02:50 (the critical's 50 % line is 50).
+    speed = 'host="dioscuri",server="delta",role="gpu-light",model="Qwen3-8B-Q8_0"'
+    for name in ("current", "baseline_7d"):
+        lines.append(f"# TYPE server_model:gpufleet_tokens_per_second:{name} gauge")
+        for at in times:
+            late = name == "current" and at >= T0.timestamp() + 20 * 60
+            value = 45.0 + math.sin(at / 97) * 1.5 if late else 100.0
+            lines.append(
+                f"server_model:gpufleet_tokens_per_second:{name}{{{speed}}} {value:.2f} {at:.0f}"
+            )
     lines.append("# EOF")
     return "\n".join(lines) + "\n"
 
@@ -331,6 +342,26 @@ def test_the_memory_chart_is_in_gib_with_the_rules_threshold(
     assert "GPU 0: 98 % used and under 512 MiB free" in picture.caption
     assert decoded(picture.png).size == (WIDTH, HEIGHT)
     assert_golden_png(picture.png, "chart-gpu-memory", tmp_path)
+
+
+def test_the_speed_chart_is_in_tok_s_against_its_baseline_share(
+    prometheus: PrometheusServer, tmp_path: Path
+) -> None:
+    labels, annotations = rendered_annotations(
+        "TokensPerSecondDegraded", severity="critical", server="delta"
+    )
+    run = incident_run(
+        "TokensPerSecondDegraded",
+        labels,
+        annotations,
+        [step(0, "restart_server", datetime(2026, 11, 30, 3, 5, tzinfo=UTC))],
+    )
+    picture = draw(prometheus.url, spec_of(run))
+    assert picture is not None
+    assert picture.caption.startswith("43.5 tok/s … 100 tok/s")
+    assert picture.caption.endswith("· 50 % of the 7-day baseline")
+    assert colour_share(picture.png, THRESHOLD_RGB) > 0.002, "no threshold line"
+    assert_golden_png(picture.png, "chart-tokens-per-second", tmp_path)
 
 
 def test_a_failing_threshold_query_costs_the_line_not_the_picture(

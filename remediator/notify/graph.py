@@ -58,7 +58,9 @@ DPI = 100
 MAX_SERIES = 6
 POINTS = 240  # samples across the window: one every 3 px at most
 MIN_STEP_SECONDS = 15.0
-_TITLE_MAX_CHARS = 70
+_TITLE_MAX_CHARS = 78  # across the whole picture at FONT_SIZE (DejaVu Sans: ~10 px each)
+# The labels a reader looks for first, in this order; the rest (role, model ...) after them.
+_TITLE_LABELS = ("host", "server", "gpu", "sensor", "chip", "pool", "served_model")
 _LEGEND_LABEL_MAX_CHARS = 28
 # Labels that name where a series was scraped from, not what it is: never in the title.
 _SCRAPE_LABELS = ("instance", "job")
@@ -237,7 +239,11 @@ def chart_title(query: str, series: Sequence[Series]) -> str:
             (key, value)
             for key, value in series[0].labels.items()
             if key not in differing and key != "__name__" and key not in _SCRAPE_LABELS
-        }
+        },
+        key=lambda item: (
+            _TITLE_LABELS.index(item[0]) if item[0] in _TITLE_LABELS else len(_TITLE_LABELS),
+            item,
+        ),
     )
     title = name + (" · " + " ".join(f"{k}={v}" for k, v in shared) if shared else "")
     return title if len(title) <= _TITLE_MAX_CHARS else title[: _TITLE_MAX_CHARS - 1] + "…"
@@ -468,7 +474,8 @@ def render(
     day = datetime.fromtimestamp(start, UTC)
     axes.set_xlabel(f"{day:%Y-%m-%d} UTC", fontsize=FONT_SIZE - 1, color="#444444", loc="right")
     if title:
-        axes.set_title(plain_text(title), fontsize=FONT_SIZE, loc="left")
+        # Over the whole width, not only the plot's: the name and labels need the room.
+        figure.suptitle(plain_text(title), fontsize=FONT_SIZE, x=0.01, ha="left")
     handles, labels = axes.get_legend_handles_labels()
     # The series first, then what explains them: incident, steps.
     extras = ("incident", "steps")

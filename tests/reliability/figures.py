@@ -60,7 +60,11 @@ class Figures:
         width_figure = max(len(f) for _, f in self.counts)
         lines = [f"{'suite':<{width_suite}}  {'figure':<{width_figure}}  {'count':>9}"]
         lines.append("-" * len(lines[0]))
-        for (suite, figure), count in self.counts.items():
+        # By suite (their names start with the number), each in the order counted.
+        order = {key: index for index, key in enumerate(self.counts)}
+        for (suite, figure), count in sorted(
+            self.counts.items(), key=lambda item: (item[0][0], order[item[0]])
+        ):
             flag = ""
             if (suite, figure) in self.must_be_zero:
                 flag = "  must be 0" + ("  FAILED" if count else "")

@@ -123,7 +123,8 @@ def alerts(draw: st.DrawFn) -> dict[str, Any]:
 
 @st.composite
 def bodies(draw: st.DrawFn) -> bytes:
-    """A whole webhook body: bytes, any JSON, deep nesting, or a notification broken inside."""
+    """A whole webhook body: bytes, any JSON, deep nesting, many copies of a few alerts in one
+    body, or a notification broken inside."""
     kind = draw(st.integers(0, 15))
     if kind == 0:
         return draw(st.binary(max_size=200))
@@ -138,6 +139,26 @@ def bodies(draw: st.DrawFn) -> bytes:
         return text.replace(
             '"annotations": {', '"annotations": {"x": ' + "[" * depth + "]" * depth + ", ", 1
         ).encode()
+    if kind == 4:  # many alerts in one body, copies of each other, firing and resolved mixed
+        payload = firing_fixture()
+        template = payload["alerts"][0]
+        payload["alerts"] = []
+        for _ in range(draw(st.integers(2, 300))):
+            alert = copy.deepcopy(template)
+            alert["fingerprint"] = draw(st.sampled_from(["a" * 16, "b" * 16, "c" * 16]))
+            alert["labels"]["server"] = draw(st.sampled_from(["alpha", "beta", "nowhere"]))
+            alert["status"] = draw(st.sampled_from(["firing", "resolved"]))
+            alert["startsAt"] = draw(
+                st.sampled_from(
+                    ["2026-11-30T03:12:45Z", "2026-11-30T03:12:50Z", "2026-11-30T04:12:45Z"]
+                )
+            )
+            if alert["status"] == "resolved":
+                alert["endsAt"] = draw(
+                    st.sampled_from(["2026-11-30T03:20:00Z", "2026-11-30T03:00:00Z"])
+                )
+            payload["alerts"].append(alert)
+        return json.dumps(payload).encode()
     payload = firing_fixture()
     payload["alerts"] = draw(
         st.lists(alerts(), min_size=0 if _sometimes(draw, 10) else 1, max_size=5)

@@ -649,6 +649,149 @@ def test_hostile_hwmon_files(tmp_path: Path, figures: Figures) -> None:
         _record(figures, f"{SUITE}: hwmon files", counts)
 
 
+_AMD_FILES = (
+    ("device", "gpu_busy_percent"),
+    ("device", "mem_busy_percent"),
+    ("device", "mem_info_vram_used"),
+    ("device", "mem_info_vram_total"),
+    ("device", "mem_info_gtt_used"),
+    ("device", "pp_dpm_sclk"),
+    ("device", "pp_dpm_mclk"),
+    ("hwmon", "temp1_input"),
+    ("hwmon", "temp2_input"),
+    ("hwmon", "power1_average"),
+    ("hwmon", "power1_cap"),
+    ("hwmon", "fan1_input"),
+    ("hwmon", "freq1_input"),
+)
+
+
+def test_hostile_amdgpu_files(tmp_path: Path, figures: Figures) -> None:
+    from exporter.collectors.amd import AmdCollector
+    from exporter.gpu_index import GpuIndex
+    from tests.sysfs_tree import discrete_spec, write_amd_card
+
+    card = write_amd_card(tmp_path / "sys", discrete_spec(0))
+
+    def path(where: str, name: str) -> Path:
+        return card.file(name) if where == "device" else card.hwmon_file(name)
+
+    originals = {f: path(*f).read_bytes() for f in _AMD_FILES}
+    collector = AmdCollector(str(tmp_path / "sys"), gpu_index=GpuIndex(), expected_count=1)
+    collector.pci_bus_ids()
+    baseline = Exposition(collector, promtool=True)
+    assert baseline.get("gpufleet_gpu_up", gpu="0") == 1.0
+    counts: Counter[str] = Counter()
+
+    @settings(max_examples=sized(150, 1500), **_HYPOTHESIS)
+    @given(
+        broken=st.dictionaries(st.sampled_from(_AMD_FILES), _SYSFS_GARBAGE, min_size=1, max_size=3)
+    )
+    def scrape(broken: dict[tuple[str, str], bytes]) -> None:
+        for file, content in originals.items():
+            path(*file).write_bytes(broken.get(file, content))
+        counts["cases"] += 1
+        try:
+            exposition = Exposition(collector, promtool=counts["cases"] % 10 == 0)
+        except Exception:
+            counts["lost"] += 1
+            raise
+        counts["duplicates"] += len(exposition.duplicates)
+        invented, dropped = [], []
+        # A garbled field is not a lost GPU, and its identity stays.
+        if exposition.get("gpufleet_gpu_up", gpu="0") != 1.0:
+            dropped.append("gpu_up")
+        if "gpufleet_gpu_info" not in exposition.names():
+            dropped.append("gpu_info")
+        digits = any(re.search(rb"[0-9]", content) for content in broken.values())
+        for key, value in exposition.samples.items():
+            if key[0].startswith("gpufleet_exporter"):
+                continue
+            was = baseline.samples.get(key)
+            if was is None:
+                invented.append(f"new series {key}")
+            elif value != was and not (math.isnan(value) and math.isnan(was)) and not digits:
+                invented.append(f"{key[0]}{dict(key[1])} {was} -> {value} from {broken!r}")
+        vanished = [
+            k
+            for k in baseline.samples
+            if k not in exposition.samples and not k[0].startswith("gpufleet_exporter")
+        ]
+        # One file feeds a field or two (a pool's used and its ratio): never the whole card.
+        if len(vanished) > 3 * len(broken):
+            dropped.append(f"{len(vanished)} series gone for {len(broken)} bad files")
+        counts["invented"] += len(invented)
+        counts["dropped"] += len(dropped)
+        assert not exposition.duplicates and not invented and not dropped, (invented, dropped)
+
+    try:
+        scrape()
+    finally:
+        collector.close()
+        _record(figures, f"{SUITE}: amdgpu files", counts)
+
+
+def test_hostile_cpuinfo(tmp_path: Path, figures: Figures) -> None:
+    """k10temp's default critical, from `<procfs>/cpuinfo`: one of the documented values."""
+    sysfs, procfs = tmp_path / "sys", tmp_path / "proc"
+    write_hwmon_chip(sysfs, K10TEMP)
+    procfs.mkdir()
+    counts: Counter[str] = Counter()
+    block = st.lists(
+        st.tuples(
+            st.sampled_from(["vendor_id", "cpu family", "model", "model name", "flags", ""]),
+            st.one_of(
+                st.sampled_from(
+                    [
+                        "AuthenticAMD",
+                        "GenuineIntel",
+                        "26",
+                        "25",
+                        "0x1a",
+                        "1_0",
+                        "96",
+                        "112",
+                        "-1",
+                        "9" * 40,
+                        "",
+                    ]
+                ),
+                st.text(max_size=12),
+            ),
+        ),
+        max_size=8,
+    )
+
+    @settings(max_examples=sized(150, 1500), **_HYPOTHESIS)
+    @given(lines=block, raw=st.one_of(st.none(), st.binary(max_size=200)))
+    def scrape(lines: list[tuple[str, str]], raw: bytes | None) -> None:
+        text = "".join(f"{key}\t: {value}\n" for key, value in lines).encode(errors="replace")
+        (procfs / "cpuinfo").write_bytes(raw if raw is not None else text)
+        collector = HwmonCollector(str(sysfs), procfs=str(procfs))
+        counts["cases"] += 1
+        try:
+            exposition = Exposition(collector, promtool=False)
+        except Exception:
+            counts["lost"] += 1
+            raise
+        finally:
+            collector.close()
+        critical = exposition.get(
+            "gpufleet_host_temperature_critical_celsius",
+            chip="k10temp",
+            sensor="Tctl",
+            source="default",
+        )
+        if critical not in (90.0, 95.0, 100.0):
+            counts["invented"] += 1
+        assert critical in (90.0, 95.0, 100.0), (critical, lines, raw)
+
+    try:
+        scrape()
+    finally:
+        _record(figures, f"{SUITE}: /proc/cpuinfo", counts)
+
+
 # -- /proc -------------------------------------------------------------------------------------
 
 STAT = (

@@ -24,6 +24,7 @@ condition for 1 minute needs it for 1 s; offsets and `[7d]` baselines are left a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -129,6 +130,8 @@ class Lab:
     alert relabelling) and an Alertmanager HA pair (gossip on loopback), each Prometheus sending
     to both Alertmanagers and each Alertmanager to the remediator; the pair resends a firing
     group every 2 s (`repeat_interval`), so every alert arrives more than once.
+    `replicas`: that many `gpu-fleet-remediator serve` processes on one `journal_url`
+    (PostgreSQL: tests/pg.py), each Alertmanager sending to every one of them.
     """
 
     def __init__(
@@ -141,11 +144,14 @@ class Lab:
         litellm: str = "",
         hosts: ExtraHosts | None = None,
         ha: bool = False,
+        replicas: int = 1,
+        journal_url: str | None = None,
     ) -> None:
         """`litellm`: the roster lines of the server's LiteLLM deployment (drains block it)."""
         self.tmp = tmp_path
         self.hosts = hosts
         self.ha = ha
+        assert replicas == 1 or journal_url is not None, "replicas share a PostgreSQL journal"
         self.stand_in = SystemctlStandIn(tmp_path)
         self.stand_in.activate(monkeypatch)  # the remediator's node finds the stand-in
         self.port = free_port()
@@ -163,6 +169,7 @@ class Lab:
             tmp_path,
             servers={"alpha": self.url},
             listen=f"127.0.0.1:{remediator_port}",
+            journal_url=journal_url,
             extra=(
                 f"node_command: [{NODE}]\n"
                 f"zulip:\n  zuliprc: {zuliprc}\n  stream: agent-hub\n"
@@ -180,6 +187,11 @@ class Lab:
             + (hosts.roster_text() if hosts is not None else "")
         )
         self.replica = Replica(self.setup, remediator_port, tmp_path / "remediator.log")
+        self.replicas = [self.replica]  # the first is `replica`; each its own config and port
+        for number in range(2, replicas + 1):
+            setup = dataclasses.replace(self.setup, config=tmp_path / f"remediator-{number}.yaml")
+            log = tmp_path / f"remediator-{number}.log"
+            self.replicas.append(Replica(setup, free_port(), log))
         self.timeline: list[tuple[float, str]] = []
         self._began = time.monotonic()
         self.exporter: MetricsServer | None = None
@@ -226,6 +238,15 @@ class Lab:
         text = rewrite(text, "group_interval: 5m", "group_interval: 1s")
         if self.ha:
             text = rewrite(text, "repeat_interval: 4h", "repeat_interval: 2s")
+        if len(self.replicas) > 1:  # the remediator's receiver sends to every replica
+            config = yaml.safe_load(text)
+            receiver = next(r for r in config["receivers"] if r["name"] == "gpu-fleet-remediator")
+            (hook,) = receiver["webhook_configs"]
+            receiver["webhook_configs"] = [
+                {**hook, "url": f"http://127.0.0.1:{r.port}/webhook/alertmanager"}
+                for r in self.replicas
+            ]
+            text = yaml.safe_dump(config, sort_keys=False)
         self._start_alertmanagers(text)
         targets = [f"127.0.0.1:{manager.port}" for manager in self.alertmanagers]
         alerting: dict[str, Any] = {"alertmanagers": [{"static_configs": [{"targets": targets}]}]}
@@ -254,8 +275,16 @@ class Lab:
         config = self.setup.config.read_text().replace(
             "prometheus_url: http://127.0.0.1:9", f"prometheus_url: {self.prometheus.url}"
         )
+        if len(self.replicas) > 1:  # one journal, a replica id each
+            config += "replica_id: lab-1\n"
+            for number, replica in enumerate(self.replicas[1:], start=2):
+                replica.setup.config.write_text(config.replace(
+                    f"listen: 127.0.0.1:{self.replica.port}\n",
+                    f"listen: 127.0.0.1:{replica.port}\n",
+                ).replace("replica_id: lab-1\n", f"replica_id: lab-{number}\n"))  # fmt: skip
         self.setup.config.write_text(config)
-        self.replica.start()
+        for replica in self.replicas:
+            replica.start()
 
     def _start_alertmanagers(self, text: str) -> None:
         """One Alertmanager, or (`ha`) a pair gossiping on loopback (each the other's peer)."""
@@ -300,7 +329,8 @@ class Lab:
                 stack.callback(self.prometheus.stop)
             if self.prometheus_b is not None:
                 stack.callback(self.prometheus_b.stop)
-            stack.callback(self.replica.stop)
+            for replica in self.replicas:
+                stack.callback(replica.stop)
 
     def phase(self, what: str) -> float:
         """Mark a phase of the scenario: kept in `timeline` and printed (`make lab` shows it)."""

@@ -8,17 +8,17 @@ Prometheus' `ALERTS`, the report's text — never on wall-clock times. Marker `l
 
 from __future__ import annotations
 
-import contextlib
 import json
-import sqlite3
 import urllib.parse
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 
 from tests.lab import Lab
-from tests.lab_hosts import NVIDIA_BUSES, LabHosts, lab_playbook
+from tests.lab_hosts import NVIDIA_BUSES, LabHosts, NvidiaHost, lab_playbook
+from tests.pg import throwaway_database
 
 pytestmark = pytest.mark.lab
 
@@ -145,69 +145,76 @@ def test_hot_gpu_and_apu_are_capped_one_step_on_the_right_card_then_restored(
         assert {r["alert"]["labels"]["host"] for r in lab.runs()} == {"nvhost", "apuhost"}
 
 
-def _deliveries(journal: Path, alertname: str, host: str) -> list[str]:
-    """The `externalURL` (the sending Alertmanager) of every notification the journal received
-    with `alertname` on `host` firing, oldest first."""
-    with contextlib.closing(sqlite3.connect(f"file:{journal}?mode=ro", uri=True)) as db:
-        rows = db.execute("SELECT raw FROM notifications ORDER BY id").fetchall()
-    senders = []
-    for (raw,) in rows:
+def _deliveries(journal_url: str, alertname: str, host: str) -> list[tuple[str, str]]:
+    """`(sending Alertmanager's externalURL, admitting replica)` of every notification the
+    journal received with `alertname` on `host` firing, oldest first."""
+    with psycopg.connect(journal_url) as db:
+        rows = db.execute("SELECT raw, replica FROM notifications ORDER BY id").fetchall()
+    found = []
+    for raw, replica in rows:
         body = json.loads(raw)
         if any(a["status"] == "firing" and a["labels"].get("alertname") == alertname
                and a["labels"].get("host") == host for a in body.get("alerts", [])):  # fmt: skip
-            senders.append(str(body.get("externalURL", "")))
-    return senders
+            found.append((str(body.get("externalURL", "")), str(replica)))
+    return found
 
 
-def test_the_ha_pair_and_two_prometheus_deliver_more_than_once_and_one_run_heals(
+def test_ha_prometheus_alertmanager_and_remediator_pairs_deliver_twice_and_run_once(
     tmp_path: Path, llama_binary: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     hosts = LabHosts(tmp_path / "hosts")
     nvidia = hosts.nvidia
-    lab = Lab(tmp_path, llama_binary, tiny_model, monkeypatch, hosts=hosts, ha=True)
-    lab_playbook("gpu-temperature-critical", lab.setup.playbooks)
+    with throwaway_database() as journal:
+        lab = Lab(tmp_path, llama_binary, tiny_model, monkeypatch, hosts=hosts, ha=True,
+                  replicas=2, journal_url=journal)  # fmt: skip
+        lab_playbook("gpu-temperature-critical", lab.setup.playbooks)
+        with lab:
+            _ha_scenario(lab, nvidia, journal)
+
+
+def _ha_scenario(lab: Lab, nvidia: NvidiaHost, journal: str) -> None:
+    """Scenario 7 in a started HA lab: fault, copies, one run."""
     hot, calm = NVIDIA_BUSES[1], NVIDIA_BUSES[0]
-    with lab:
-        assert lab.prometheus is not None and lab.prometheus_b is not None
-        replicas = (lab.prometheus, lab.prometheus_b)
-        lab.phase("the HA lab is up; heating nvhost's gpu 1 to 90 °C (its memory stays cool)")
-        nvidia.set_temperature(hot, 90, memory=60)  # one sensor: one alert, one problem
-        firing = 'ALERTS{alertname="GpuTemperatureCritical",alertstate="firing",host="nvhost"}'
-        for prometheus in replicas:  # both evaluate the problem, both send it to both managers
-            prometheus.wait_for(firing, timeout=60)
-        lab.phase("GpuTemperatureCritical fires in both Prometheus replicas")
+    assert lab.prometheus is not None and lab.prometheus_b is not None
+    servers = (lab.prometheus, lab.prometheus_b)
+    lab.phase("the HA lab is up; heating nvhost's gpu 1 to 90 °C (its memory stays cool)")
+    nvidia.set_temperature(hot, 90, memory=60)  # one sensor: one alert, one problem
+    firing = 'ALERTS{alertname="GpuTemperatureCritical",alertstate="firing",host="nvhost"}'
+    for prometheus in servers:  # both evaluate the problem, both send it to both managers
+        prometheus.wait_for(firing, timeout=60)
+    lab.phase("GpuTemperatureCritical fires in both Prometheus replicas")
 
-        def managers_hold_one_alert() -> bool:
-            held = [
-                [a["labels"] for a in manager.alerts()
-                 if a["labels"].get("alertname") == "GpuTemperatureCritical"]
-                for manager in lab.alertmanagers
-            ]  # fmt: skip
-            return all(len(labels) == 1 and "replica" not in labels[0] for labels in held)
+    def managers_hold_one_alert() -> bool:
+        held = [
+            [a["labels"] for a in manager.alerts()
+             if a["labels"].get("alertname") == "GpuTemperatureCritical"]
+            for manager in lab.alertmanagers
+        ]  # fmt: skip
+        return all(len(labels) == 1 and "replica" not in labels[0] for labels in held)
 
-        # Two copies (replica a and b) are one alert in each manager: the relabelling works.
-        lab.wait(managers_hold_one_alert, "one alert, without `replica`, in both managers")
-        lab.wait(lambda: nvidia.power_limit_watts(hot) < 700, "nvhost gpu 1's cap lowered")
-        # Let the pair resend while the card is still hot: every copy must find the run made.
-        journal = tmp_path / "journal.db"
-        lab.wait(lambda: len(_deliveries(journal, "GpuTemperatureCritical", "nvhost")) >= 3,
-                 "the alert delivered three times")  # fmt: skip
-        nvidia.set_temperature(hot, 50)
-        lab.phase("capped and cooling")
-        lab.wait(lambda: _done(lab, "lab-gpu-temperature-critical"), "the run to end")
-        lab.wait(lambda: not any(p.query(firing) for p in replicas), "the alert to resolve")
-        runs = [
-            r for r in lab.runs() if r["alert"]["labels"]["alertname"] == "GpuTemperatureCritical"
-        ]
-        senders = _deliveries(journal, "GpuTemperatureCritical", "nvhost")
-        lab.phase(f"{len(senders)} deliveries from {len(set(senders))} Alertmanager(s), "
-                  f"{len(runs)} run(s)")  # fmt: skip
-        assert len(senders) >= 3, senders
-        assert len(runs) == 1, [(r["id"], r["decision"], r["alert"]["starts_at"]) for r in runs]
-        run = runs[0]
-        assert run["target"] == "gpu/nvhost/1" and run["outcome"] == "healed", run
-        assert [s["action"] for s in run["steps"]].count("set_power_cap") == 1, run["steps"]
-        assert nvidia.power_limit_watts(hot) == 630  # one step, not one per copy
-        assert nvidia.power_limit_watts(calm) == 700
-        lab.wait(lambda: any("✅ **Healed**" in r and "gpu/nvhost/1" in r for r in lab.reports()),
-                 "the healed report")  # fmt: skip
+    # Two copies (replica a and b) are one alert in each manager: the relabelling works.
+    lab.wait(managers_hold_one_alert, "one alert, without `replica`, in both managers")
+    lab.wait(lambda: nvidia.power_limit_watts(hot) < 700, "nvhost gpu 1's cap lowered")
+    # Let the pair resend while the card is still hot: every copy must find the run made.
+    lab.wait(lambda: len(_deliveries(journal, "GpuTemperatureCritical", "nvhost")) >= 3,
+             "the alert delivered three times")  # fmt: skip
+    nvidia.set_temperature(hot, 50)
+    lab.phase("capped and cooling")
+    lab.wait(lambda: _done(lab, "lab-gpu-temperature-critical"), "the run to end")
+    lab.wait(lambda: not any(p.query(firing) for p in servers), "the alert to resolve")
+    runs = [r for r in lab.runs() if r["alert"]["labels"]["alertname"] == "GpuTemperatureCritical"]
+    deliveries = _deliveries(journal, "GpuTemperatureCritical", "nvhost")
+    senders = {sender for sender, _ in deliveries}
+    admitted = {replica for _, replica in deliveries}
+    lab.phase(f"{len(deliveries)} deliveries from {len(senders)} Alertmanager(s) to "
+              f"{len(admitted)} replica(s), {len(runs)} run(s)")  # fmt: skip
+    assert len(deliveries) >= 3, deliveries
+    assert admitted == {"lab-1", "lab-2"}, deliveries  # every manager sends to both
+    assert len(runs) == 1, [(r["id"], r["decision"], r["alert"]["starts_at"]) for r in runs]
+    run = runs[0]
+    assert run["target"] == "gpu/nvhost/1" and run["outcome"] == "healed", run
+    assert [s["action"] for s in run["steps"]].count("set_power_cap") == 1, run["steps"]
+    assert nvidia.power_limit_watts(hot) == 630  # one step, not one per copy
+    assert nvidia.power_limit_watts(calm) == 700
+    lab.wait(lambda: any("✅ **Healed**" in r and "gpu/nvhost/1" in r for r in lab.reports()),
+             "the healed report")  # fmt: skip

@@ -5,8 +5,9 @@ Everything listens on 127.0.0.1 and keeps its state under one directory (`.run/`
 - `fleet.yaml` — the roster of this machine (host `local`, `local: true`), written once: edit
   it to add the model servers this machine runs. The exporter and the remediator read it both.
 - `remediator.yaml` — written at every start from the ports in use (the secret files beside it,
-  `webhook.token` and `admin.token`, are made once); reports go to `reports/` as Markdown
-  files, the text Zulip would get (add a `zulip:` section and a zuliprc to send them there).
+  `webhook.token`, `admin.token` and `ui.password`, are made once); reports go to `reports/`
+  as Markdown files, the text Zulip would get (add a `zulip:` section and a zuliprc to send
+  them there). The remediator's page is at `/ui/`: user `ui`, the password in `ui.password`.
 - `prometheus/` — its config (scraping the exporter, the remediator, itself and Alertmanager
   every 5 s, evaluating the repository's `rules/`), its data and its log.
 - `alertmanager/` — `examples/alertmanager.yml` with every receiver pointed at this remediator
@@ -129,8 +130,12 @@ def _secret(path: Path) -> None:
 
 
 def write_remediator_config(state: Path, ports: dict[str, int]) -> Path:
-    """`remediator.yaml` for these ports (rewritten each start), its secrets made once."""
-    for name in ("webhook.token", "admin.token"):
+    """`remediator.yaml` for these ports (rewritten each start), its secrets made once.
+
+    Three secrets, each drawn on its own: the config refuses a page password (`ui.password`)
+    that is Alertmanager's token or the admin API's.
+    """
+    for name in ("webhook.token", "admin.token", "ui.password"):
         _secret(state / name)
     config = state / "remediator.yaml"
     config.write_text(
@@ -140,6 +145,7 @@ def write_remediator_config(state: Path, ports: dict[str, int]) -> Path:
         f"journal: sqlite:///{state / 'journal.db'}\n"
         f"auth: {{bearer_token_file: {state / 'webhook.token'}}}\n"
         f"admin: {{bearer_token_file: {state / 'admin.token'}}}\n"
+        f"ui: {{username: ui, password_file: {state / 'ui.password'}}}\n"
         f"prometheus_url: http://127.0.0.1:{ports['prometheus']}\n"
         f"reports_dir: {state / 'reports'}\n"
         "replica_id: local\n"
@@ -340,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
         say(f"  amtool --alertmanager.url={url['alertmanager']} alert add Test host={HOST}")
         say(f"  curl -s -H 'Authorization: Bearer '$(cat {state / 'admin.token'}) "
             f"{url['remediator']}/api/runs   # then: ls {state / 'reports'}")  # fmt: skip
+        say(f"the remediator's page: {url['remediator']}/ui/ (user ui, password in "
+            f"{state / 'ui.password'})")  # fmt: skip
         say("Ctrl-C stops everything.")
         while True:
             for part in parts:

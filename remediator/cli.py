@@ -434,15 +434,21 @@ def _file_sd(args: argparse.Namespace) -> int:
 
 
 def _init_config(directory: Path, roster: Path | None) -> int:
-    """A local config under `directory`: SQLite journal, fresh secret files (mode 0600)."""
+    """A local config under `directory`: SQLite journal, fresh secret files (mode 0600).
+
+    Three secrets, each its own file: Alertmanager's token, the admin API's, and the page's
+    password (`/ui/`, basic auth as user `ui`) — the config refuses a page password that is
+    one of the other two, so each is drawn separately.
+    """
     directory.mkdir(parents=True, exist_ok=True)
     config = directory / "remediator.yaml"
     if config.exists():
         print(f"{config} exists; left as it is")
         return 0
-    for name in ("webhook.token", "admin.token"):
+    for name in ("webhook.token", "admin.token", "ui.password"):
         path = directory / name
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(fd, 0o600)  # a file already there keeps its mode through O_CREAT
         with os.fdopen(fd, "w") as f:
             f.write(secrets.token_urlsafe(32) + "\n")
     roster_path = (roster or directory / "fleet.yaml").resolve()
@@ -454,10 +460,12 @@ def _init_config(directory: Path, roster: Path | None) -> int:
         f"journal: sqlite:///{base / 'journal.db'}\n"
         f"auth: {{bearer_token_file: {base / 'webhook.token'}}}\n"
         f"admin: {{bearer_token_file: {base / 'admin.token'}}}\n"
+        f"ui: {{username: ui, password_file: {base / 'ui.password'}}}\n"
         "prometheus_url: http://127.0.0.1:9090\n"
         "dry_run: false\n"
     )
     print(f"wrote {config} (secrets in {base}/webhook.token and admin.token)")
+    print(f"the page: http://127.0.0.1:9095/ui/ as user ui, password in {base / 'ui.password'}")
     return 0
 
 

@@ -2,16 +2,19 @@
 
 The real exporter, remediator, Prometheus and Alertmanager start on one roster; Prometheus has
 every target up and the repository's rules loaded; an alert raised in Alertmanager reaches the
-remediator, becomes a run, and its report lands as a Markdown file; SIGINT stops everything.
+remediator, becomes a run, and its report lands as a Markdown file; the remediator's page
+answers with the password `make run` wrote (and only with it); SIGINT stops everything.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -25,6 +28,17 @@ def _get(url: str, token: str | None = None) -> Any:
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10) as r:
         return json.loads(r.read())
+
+
+def _page_status(url: str, password: str | None) -> int:
+    headers: dict[str, str] = {}
+    if password is not None:
+        headers["Authorization"] = "Basic " + base64.b64encode(f"ui:{password}".encode()).decode()
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10) as r:
+            return int(r.status)
+    except urllib.error.HTTPError as refused:
+        return refused.code
 
 
 def test_make_run_runs_the_whole_loop(tmp_path: Path) -> None:
@@ -76,6 +90,17 @@ def test_make_run_runs_the_whole_loop(tmp_path: Path) -> None:
         wait_until(lambda: any("MakeRunTest" in p.read_text()
                                for p in (state / "reports").glob("*.md")), 30,
                    what="its report as a Markdown file")  # fmt: skip
+        # The page, with the password `make run` wrote (mode 0600) and said where it is.
+        password_file = state / "ui.password"
+        assert password_file.stat().st_mode & 0o777 == 0o600
+        password = password_file.read_text().strip()
+        assert password != token
+        page = f"{url['remediator']}/ui/"
+        said = (tmp_path / "run.log").read_text()
+        assert page in said and str(password_file) in said
+        assert _page_status(page, password) == 200
+        assert _page_status(page, None) == 401
+        assert _page_status(page, token) == 401  # the admin API's token does not open it
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0
         time.sleep(0.5)

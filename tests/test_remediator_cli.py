@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from pathlib import Path
 
+from tests.llama_lab import free_port, stop_process, wait_until
 from tests.remediator_lab import ALERTMANAGER_FIXTURES, CountingServer, write_setup
 
 REMEDIATOR = str(Path(sys.executable).parent / "gpu-fleet-remediator")
@@ -135,3 +139,54 @@ def test_init_config_writes_a_working_local_setup(tmp_path: Path) -> None:
     assert check.returncode == 0, check.stderr
     again = run("init-config", str(tmp_path / "run"), "--roster", str(roster))
     assert "left as it is" in again.stdout
+
+
+def test_init_config_opens_the_page_with_its_own_password(tmp_path: Path) -> None:
+    roster = tmp_path / "fleet.yaml"
+    roster.write_text("hosts:\n  local:\n    address: 127.0.0.1\n    local: true\n")
+    directory = tmp_path / "run"
+    result = run("init-config", str(directory), "--roster", str(roster))
+    assert result.returncode == 0, result.stderr
+    password_file = directory / "ui.password"
+    assert password_file.stat().st_mode & 0o777 == 0o600
+    assert str(password_file) in result.stdout and "/ui/" in result.stdout
+    password = password_file.read_text().strip()
+    assert len(password) >= 32
+    tokens = {(directory / n).read_text().strip() for n in ("webhook.token", "admin.token")}
+    assert password not in tokens
+    # Serve the written config as it is, on a free port instead of 9095.
+    config = directory / "remediator.yaml"
+    port = free_port()
+    config.write_text(config.read_text().replace("127.0.0.1:9095", f"127.0.0.1:{port}"))
+    log = (tmp_path / "serve.log").open("wb")
+    proc = subprocess.Popen([REMEDIATOR, "serve", "--config", str(config)],
+                            stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+
+    def get(path: str, user: str | None = None, secret: str = "") -> int:
+        headers: dict[str, str] = {}
+        if user is not None:
+            token = base64.b64encode(f"{user}:{secret}".encode()).decode()
+            headers["Authorization"] = f"Basic {token}"
+        request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", headers=headers)
+        try:
+            with urllib.request.urlopen(request, timeout=10) as answer:
+                return int(answer.status)
+        except urllib.error.HTTPError as refused:
+            return refused.code
+
+    def up() -> bool:
+        assert proc.poll() is None, (tmp_path / "serve.log").read_text()
+        try:
+            return get("/healthz") == 200
+        except OSError:
+            return False
+
+    try:
+        wait_until(up, timeout=30, what="the init-config remediator")
+        assert get("/ui/", "ui", password) == 200
+        assert get("/ui/") == 401
+        assert get("/ui/", "ui", "not-the-password") == 401
+        assert get("/ui/", "ui", next(iter(tokens))) == 401
+    finally:
+        stop_process(proc, 15)
+        log.close()

@@ -15,8 +15,10 @@ SCRAPES ?= 300
 #   systemd                   systemd-analyze, which verifies our unit files
 #   openssh-server, sudo      the real sshd the SSH executor is tested through, and visudo for
 #                             the node's sudoers line
+#   chromium                  the real browser (headless) that loads the remediator's page in
+#                             tests/test_ui_browser.py and screenshots it
 DEB_PACKAGES := prometheus prometheus-node-exporter prometheus-alertmanager systemd \
-                openssh-server sudo openssl curl
+                openssh-server sudo openssl curl chromium
 
 .PHONY: run test bench lab deps venv lint typecheck unit floor reliability
 

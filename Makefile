@@ -52,7 +52,8 @@ deps:
 	  echo "      (promtool checks our exposition, rules and configs; amtool and Alertmanager the"; \
 	  echo "      example wiring; systemd-analyze our units; sshd and sudo the SSH executor and the"; \
 	  echo "      node's forced command; node_exporter is the benchmark's peer;"; \
-	  echo "      openssl and curl make and use the TLS tests' certificates)"; \
+	  echo "      openssl and curl make and use the TLS tests' certificates; chromium loads the"; \
+	  echo "      remediator's page in its browser test)"; \
 	  sudo=""; [ "$$(id -u)" -eq 0 ] || sudo="sudo"; \
 	  $$sudo apt-get update -q && \
 	  $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $$missing; \

@@ -187,9 +187,15 @@ def parse_models(body: bytes) -> list[RouterModel]:
     if not isinstance(entries, list):
         raise ParseError("/models has no data list")
     models = []
+    seen: set[str] = set()
     for entry in entries:
-        if not isinstance(entry, dict) or not isinstance(entry.get("id"), str):
+        if not isinstance(entry, dict) or not isinstance(entry.get("id"), str) or not entry["id"]:
             raise ParseError("/models entry without a string id")
+        if entry["id"] in seen:
+            # A model listed twice would be exported twice (a duplicate series): the first
+            # entry stands.
+            continue
+        seen.add(entry["id"])
         status = entry.get("status")
         status = status if isinstance(status, dict) else {}
         value = status.get("value")
@@ -241,6 +247,15 @@ def parse_slots(body: bytes) -> list[Slot]:
     return slots
 
 
+def _finite_or_special(value: float) -> bool:
+    """Whether `value` is a float the exposition can write (NaN and ±Inf are such floats)."""
+    try:
+        float(value)
+    except OverflowError:
+        return False
+    return True
+
+
 def parse_metrics(body: bytes) -> tuple[dict[str, float], list[str]]:
     """Parse `/metrics` with prometheus_client's parser.
 
@@ -256,6 +271,9 @@ def parse_metrics(body: bytes) -> tuple[dict[str, float], list[str]]:
         }
     except (ValueError, UnicodeDecodeError) as exc:
         raise ParseError(f"unparsable exposition: {exc}") from None
+    # The parser reads an integer-looking value as a Python int of any length; one past a
+    # float's range is garbage, and exported it would fail the whole exposition.
+    samples = {name: value for name, value in samples.items() if _finite_or_special(value)}
     names = {**METRIC_NAMES, **OPTIONAL_METRIC_NAMES}
     values = {}
     for key, name in names.items():

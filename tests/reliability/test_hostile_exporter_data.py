@@ -33,17 +33,16 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from exporter.collectors.hwmon import HwmonCollector
 from exporter.collectors.llama import LlamaCollector
 from exporter.collectors.vllm import VllmCollector
+from exporter.exposition import TextWriter
 from exporter.roster import Server
 from exporter.sources.procfs import parse_stat, parse_status
 from tests.reliability.figures import Figures, sized
 from tests.reliability.strategies import JSON_VALUES
-from tests.scraping import Families
 from tests.sysfs_tree import ACPITZ, K10TEMP, nvme_spec, write_hwmon_chip
 from tests.vllm_stand_in import VllmStandIn
 
@@ -101,9 +100,8 @@ class Exposition:
 
     def __init__(self, collector: Any, promtool: bool) -> None:
         families = list(collector.collect())  # raises on a crash: the test fails with it
-        registry = CollectorRegistry(auto_describe=False)
-        registry.register(Families(families))
-        self.text = generate_latest(registry).decode()  # raises when the scrape is lost
+        # The exporter's own writer, as `/metrics` serves it: raises when the scrape is lost.
+        self.text = TextWriter().render(families).decode()
         self.samples: Samples = {}
         seen: Counter[tuple[str, frozenset[tuple[str, str]]]] = Counter()
         for family in text_string_to_metric_families(self.text):
@@ -868,8 +866,9 @@ def test_hostile_proc_files(figures: Figures) -> None:
 
 def test_numbers_the_kernel_and_llama_server_never_write_are_unknown(tmp_path: Path) -> None:
     """Digit separators and numbers past 64 bits: garbage, not values (found by the cases
-    above: `b"0_0"` read as 0 °C, and a 400-digit `n_decoded` failed the whole exposition)."""
-    from exporter.sources.llama_api import parse_props, parse_slots
+    above: `b"0_0"` read as 0 °C; a 400-digit `n_decoded` in /slots, or `n_decode_total` in
+    /metrics, failed the whole exposition; a router listing a model twice exported it twice)."""
+    from exporter.sources.llama_api import parse_metrics, parse_models, parse_props, parse_slots
     from exporter.sources.sysfs import read_int
 
     path = tmp_path / "temp1_input"
@@ -893,3 +892,14 @@ def test_numbers_the_kernel_and_llama_server_never_write_are_unknown(tmp_path: P
     props["default_generation_settings"] = {"n_ctx": 10**30}
     parsed = parse_props(json.dumps(props).encode())
     assert parsed.total_slots is None and parsed.n_ctx_per_slot is None
+    listed = {
+        "data": [
+            {"id": "m", "status": {"value": "loaded"}},
+            {"id": "m", "status": {"value": "unloaded"}},
+        ]
+    }
+    assert [(m.id, m.state) for m in parse_models(json.dumps(listed).encode())] == [("m", "loaded")]
+    values, _ = parse_metrics(
+        METRICS.replace("n_decode_total 1630", "n_decode_total " + "9" * 400).encode()
+    )
+    assert "decode_calls" not in values and values["requests_processing"] == 2

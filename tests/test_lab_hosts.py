@@ -133,6 +133,11 @@ def test_hot_gpu_and_apu_are_capped_one_step_on_the_right_card_then_restored(
                      f"the healed report of {target}")  # fmt: skip
             report = healed_report(target)
             assert report is not None and f"`{playbook}` on `{target}`" in report, report
+        # The report shows which card was capped, and by how much.
+        assert f"power cap of gpu 1 ({hot}): 700 W → 630 W" in (healed_report("gpu/nvhost/1") or "")
+        assert "power cap of gpu 0 (0000:c5:00.0): 120 W → 108 W" in (
+            healed_report("host/apuhost") or ""
+        )
         # The restores are reported too: the run's report had promised them.
         for target in ("gpu/nvhost/1", "gpu/apuhost/0"):
             line = f"🔋 **Power cap restored** — `{target}`"

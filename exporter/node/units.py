@@ -206,6 +206,16 @@ class JobFailed(Exception):
         self.result = result
 
 
+def _crash_looped(status: Mapping[str, Any]) -> bool:
+    """Failed, or looping: systemd's own restarts have spent (some of) the start limit."""
+    state = status.get("active_state")
+    return (
+        state == "failed"
+        or status.get("sub_state") == "auto-restart"
+        or (state == "activating" and int(status.get("n_restarts") or 0) > 0)
+    )
+
+
 def unit_job(
     action: str,
     server: Server,
@@ -219,18 +229,21 @@ def unit_job(
     start: `active`; restart: `active` with a MainPID other than before; stop: `inactive` or
     `failed`. Raises `SystemdError` when the status cannot be read before anything is done.
 
-    A start or restart of a `failed` unit first runs `systemctl reset-failed UNIT` (in the
-    result as `reset_failed`): a unit that crash-looped into its start limit
-    (`Result=start-limit-hit`) refuses every start until then (systemd.unit(5),
-    StartLimitIntervalSec=), and a crash loop is exactly what the remediator restarts after
-    removing its cause (a port ghost killed). The remediator's own cooldown and breaker keep
-    its restarts from becoming a loop of their own.
+    A start or restart of a `failed` or crash-looping unit (`activating` with a restart
+    scheduled, `auto-restart`, or restarted by systemd already) first runs `systemctl
+    reset-failed UNIT` (in the result as `reset_failed`): a unit that crash-looped into its
+    start limit (`Result=start-limit-hit`) refuses every start until then (systemd.unit(5),
+    StartLimitIntervalSec=), and one still looping has spent most of it — a manual start counts
+    too, so the restart itself would be refused; reset-failed clears the counter whatever the
+    state. A crash loop is exactly what the remediator restarts after removing its cause (a port
+    ghost killed). The remediator's own cooldown and breaker keep its restarts from becoming a
+    loop of their own.
     """
     before = unit_status(server, siblings, roots)
     deadline = time.monotonic() + wait_seconds
     result: dict[str, Any] = {"before": before}
     try:
-        if action in ("start", "restart") and before.get("active_state") == "failed":
+        if action in ("start", "restart") and _crash_looped(before):
             code, stderr = run_unit_job("reset-failed", server.unit, timeout=wait_seconds)
             result["reset_failed"] = {"exit": code, "stderr": stderr[:MAX_CMDLINE]}
         code, stderr = run_unit_job(action, server.unit, timeout=wait_seconds)

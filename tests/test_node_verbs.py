@@ -270,6 +270,37 @@ def test_restart_of_a_unit_past_its_start_limit_resets_it_first(lab: Lab, tiny_m
     lab.wait_healthy()
 
 
+def test_restart_of_a_unit_up_again_after_a_crash_loop_resets_its_start_limit_first(
+    lab: Lab, tiny_model: Path, tmp_path: Path
+) -> None:
+    # The loop ended by itself (its ghost gone), the unit is active again, and systemd's own
+    # restarts have spent the start limit: a manual start counts too, so a restart without
+    # reset-failed would stop the server and then be refused (start-limit-hit), leaving it
+    # down. Two failed starts, then the real server: three starts, a burst of three.
+    counter = tmp_path / "attempts"
+    script = (
+        'n=$(cat "$0" 2>/dev/null || echo 0); echo $((n + 1)) > "$0"; '
+        '[ "$n" -ge 2 ] || exit 1; exec "$@"'
+    )
+    argv = ["/bin/sh", "-c", script, str(counter), *llama_argv(lab.binary, tiny_model, lab.port)]
+    lab.stand_in.declare_service(
+        UNIT, argv,
+        restart="on-failure", restart_sec=0.2, start_limit_interval_seconds=600,
+        start_limit_burst=3, stop_timeout_seconds=5,
+    )  # fmt: skip
+    subprocess.run(["systemctl", "start", UNIT], check=False, env=lab.stand_in.env(), timeout=60)
+    wait_until(lambda: lab.stand_in.units[UNIT].get("ActiveState") == "active", timeout=60,
+               what="the unit active after its loop")  # fmt: skip
+    lab.wait_healthy()
+    answer = lab.node("restart", "alpha", options=("--wait-seconds", "60"))
+    assert answer.code == 0, answer.json
+    assert answer.result["before"]["active_state"] == "active"
+    assert answer.result["before"]["n_restarts"] == 2
+    assert answer.result["reset_failed"]["exit"] == 0
+    assert answer.result["after"]["active_state"] == "active"
+    lab.wait_healthy()
+
+
 def test_status_names_a_ghost_and_guard_port_over_ssh_clears_it(
     lab: Lab, llama_server: StartLlamaServer
 ) -> None:

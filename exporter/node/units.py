@@ -207,12 +207,14 @@ class JobFailed(Exception):
 
 
 def _crash_looped(status: Mapping[str, Any]) -> bool:
-    """Failed, or looping: systemd's own restarts have spent (some of) the start limit."""
-    state = status.get("active_state")
+    """Failed, or restarted by systemd since its last start (its start limit may be spent).
+
+    Even when the loop has just ended and the unit is active again.
+    """
     return (
-        state == "failed"
+        status.get("active_state") == "failed"
         or status.get("sub_state") == "auto-restart"
-        or (state == "activating" and int(status.get("n_restarts") or 0) > 0)
+        or int(status.get("n_restarts") or 0) > 0
     )
 
 
@@ -229,15 +231,16 @@ def unit_job(
     start: `active`; restart: `active` with a MainPID other than before; stop: `inactive` or
     `failed`. Raises `SystemdError` when the status cannot be read before anything is done.
 
-    A start or restart of a `failed` or crash-looping unit (`activating` with a restart
-    scheduled, `auto-restart`, or restarted by systemd already) first runs `systemctl
+    A start or restart of a `failed` or crash-looped unit (a restart scheduled, `auto-restart`,
+    or `NRestarts` above 0: systemd restarted it since its last start) first runs `systemctl
     reset-failed UNIT` (in the result as `reset_failed`): a unit that crash-looped into its
     start limit (`Result=start-limit-hit`) refuses every start until then (systemd.unit(5),
-    StartLimitIntervalSec=), and one still looping has spent most of it — a manual start counts
-    too, so the restart itself would be refused; reset-failed clears the counter whatever the
-    state. A crash loop is exactly what the remediator restarts after removing its cause (a port
-    ghost killed). The remediator's own cooldown and breaker keep its restarts from becoming a
-    loop of their own.
+    StartLimitIntervalSec=), and one that looped without reaching it (still looping, or up
+    again once the ghost is gone) has spent most of it: a manual start counts too, and a
+    restart refused there has already stopped the server. reset-failed clears the counter
+    whatever the state. A crash loop is exactly what the remediator restarts after removing
+    its cause (a port ghost killed). The remediator's own cooldown and breaker keep its
+    restarts from becoming a loop of their own.
     """
     before = unit_status(server, siblings, roots)
     deadline = time.monotonic() + wait_seconds

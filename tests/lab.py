@@ -19,12 +19,21 @@ condition for 1 minute needs it for 1 s; offsets and `[7d]` baselines are left a
         lab.freeze()                         # SIGSTOP the server
         lab.wait_firing("LlamaServerDown")
         run = lab.wait_run_done()
+
+Options for the scenarios: `unit={...}` more of alpha's unit for the systemctl stand-in (its
+Restart=, RestartSec=, start limit: `SystemctlStandIn.declare_service`; `guard_argv()` and
+`guard_env()` are the port guard as its ExecStartPre=), `llama_args` more flags for alpha,
+`neighbours` more servers on dioscuri (`Neighbour`), `playbooks` more playbook files in the
+remediator's playbooks_dir (`lab_playbook` rewrites a built-in one for lab time). `ghost()`
+starts a stray llama-server on alpha's port, outside its unit: the leftover of an earlier run
+that DESIGN.md's port guard is for.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -32,7 +41,8 @@ import signal
 import subprocess
 import time
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Protocol
@@ -43,10 +53,10 @@ import yaml
 from exporter.http import MetricsServer
 from exporter.registry import ExporterSettings, FleetCollector, build_registry
 from exporter.roster import load_roster
-from tests.llama_lab import free_port, http_get, wait_until
+from tests.llama_lab import die_with_parent, free_port, http_get, wait_until
 from tests.prometheus_lab import PrometheusServer
 from tests.remediator_lab import drop_test_playbooks, write_setup
-from tests.systemctl_stand_in import SystemctlStandIn
+from tests.systemctl_stand_in import BIN, SystemctlStandIn, exec_start_value
 from tests.test_remediator_process import Replica
 from tests.test_wiring import (
     ALERTMANAGER_EXAMPLE,
@@ -83,6 +93,42 @@ def lab_rules(directory: Path) -> list[Path]:
         target.write_text(text)
         written.append(target)
     return written
+
+
+_COOLDOWN = re.compile(r"^(\s*cooldown_seconds:\s*)(\d+)\s*$", re.MULTILINE)
+BUILTIN_PLAYBOOKS = REPO / "remediator" / "playbooks" / "builtin"
+
+
+def lab_playbook(name: str) -> str:
+    """A built-in playbook for lab time, as `<name>-lab`: its cooldown divided by 60.
+
+    playbooks_dir is matched before the built-ins (remediator/playbooks/loader.py), so the
+    copy handles the alert; only the cooldown changes (a flapping fault would otherwise wait
+    10 minutes between runs); the breaker's count and window stay the product's.
+    """
+    text = (BUILTIN_PLAYBOOKS / f"{name}.yaml").read_text()
+    text = re.sub(r"^name: .*$", f"name: {name}-lab", text, count=1, flags=re.MULTILINE)
+    return _COOLDOWN.sub(lambda m: m[1] + str(max(1, int(m[2]) // 60)), text)
+
+
+@dataclass(frozen=True)
+class Neighbour:
+    """Another model server on dioscuri, beside alpha, with its own port and unit.
+
+    `argv` (with `{port}` for the free port the lab picks): its ExecStart=, started under the
+    systemctl stand-in. Or `url` and `main_pid` of a server the test runs itself (a stand-in
+    server in this process): its unit is only shown, active with that main process.
+    """
+
+    name: str
+    argv: tuple[str, ...] = ()
+    url: str = ""
+    main_pid: int = 0
+
+    @property
+    def unit(self) -> str:
+        """Its unit, `llama-server@NAME.service`."""
+        return f"llama-server@{self.name}.service"
 
 
 def _get(url: str, token: str | None = None) -> Any:
@@ -146,8 +192,13 @@ class Lab:
         ha: bool = False,
         replicas: int = 1,
         journal_url: str | None = None,
+        unit: Mapping[str, Any] | None = None,
+        llama_args: Sequence[str] = (),
+        neighbours: Sequence[Neighbour] = (),
+        playbooks: Mapping[str, str] | None = None,
     ) -> None:
-        """`litellm`: the roster lines of the server's LiteLLM deployment (drains block it)."""
+        """`litellm`: the roster lines of the server's LiteLLM deployment (drains block it);
+        `unit`, `llama_args`, `neighbours`, `playbooks`: see the module docstring."""
         self.tmp = tmp_path
         self.hosts = hosts
         self.ha = ha
@@ -156,12 +207,13 @@ class Lab:
         self.stand_in.activate(monkeypatch)  # the remediator's node finds the stand-in
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.stand_in.declare_service(
-            UNIT,
-            [str(llama_binary), "-m", str(tiny_model), "--host", "127.0.0.1", "--port",
-             str(self.port), "-c", "256", "-np", "1", "-t", "1", "--metrics"],
-            stop_timeout_seconds=5,
-        )  # fmt: skip
+        self.argv = [
+            str(llama_binary), "-m", str(tiny_model), "--host", "127.0.0.1", "--port",
+            str(self.port), "-c", "256", "-np", "1", "-t", "1", "--metrics", *llama_args,
+        ]  # fmt: skip
+        self.ghosts: list[subprocess.Popen[bytes]] = []
+        self.neighbours = list(neighbours)
+        self.neighbour_urls: dict[str, str] = {}
         self.zulip = ZulipStandIn()
         remediator_port = free_port()
         zuliprc = self.zulip.write_zuliprc(tmp_path / "zuliprc")
@@ -178,14 +230,19 @@ class Lab:
             ),
         )
         drop_test_playbooks(self.setup)  # the built-in playbooks handle the alerts
+        for file_name, text in (playbooks or {}).items():
+            (self.setup.playbooks / file_name).write_text(text)
         # A timeout well under the 1 s scrape: a frozen server costs its own series only.
         self.setup.roster.write_text(
             "hosts:\n  dioscuri:\n    address: 127.0.0.1\n    local: true\n    servers:\n"
             f"      alpha:\n        engine: llama\n        url: {self.url}\n        unit: {UNIT}\n"
             "        role: gpu-dense\n        model: tiny\n        timeout_seconds: 0.4\n"
             + litellm
+            + self._neighbours_roster(llama_binary)
             + (hosts.roster_text() if hosts is not None else "")
         )
+        options: dict[str, Any] = {"stop_timeout_seconds": 5, **(unit or {})}
+        self.stand_in.declare_service(UNIT, self.argv, **options)
         self.replica = Replica(self.setup, remediator_port, tmp_path / "remediator.log")
         self.replicas = [self.replica]  # the first is `replica`; each its own config and port
         for number in range(2, replicas + 1):
@@ -200,6 +257,42 @@ class Lab:
         self.alertmanager: Alertmanager | None = None
         self.alertmanagers: list[Alertmanager] = []  # the HA pair, or the one
         self.prometheus_b: PrometheusServer | None = None  # the HA lab's second replica
+
+    def guard_argv(self) -> list[str]:
+        """The port guard as alpha's ExecStartPre=, as systemd/llama-server@.service has it."""
+        return [str(NODE), "guard-port", "alpha", "--config", str(self.setup.roster),
+                "--host", "dioscuri"]  # fmt: skip
+
+    def guard_env(self) -> dict[str, str]:
+        """The guard's environment: the stand-in's systemctl first on its PATH."""
+        return {
+            "PATH": f"{BIN}{os.pathsep}/usr/sbin:/usr/bin:/sbin:/bin",
+            "GPUFLEET_SYSTEMCTL_STATE": str(self.stand_in.state_path),
+        }
+
+    def _neighbours_roster(self, binary: Path) -> str:
+        """The neighbours' roster lines; their units declared (or shown) in the stand-in."""
+        lines = ""
+        for neighbour in self.neighbours:
+            url = neighbour.url
+            if neighbour.argv:
+                port = free_port()
+                url = f"http://127.0.0.1:{port}"
+                argv = [a.replace("{port}", str(port)) for a in neighbour.argv]
+                self.stand_in.declare_service(neighbour.unit, argv, stop_timeout_seconds=5)
+            else:
+                self.stand_in.set_unit(
+                    neighbour.unit, LoadState="loaded", ActiveState="active",
+                    SubState="running", MainPID=neighbour.main_pid,
+                    ExecStart=exec_start_value([str(binary)]),
+                )  # fmt: skip
+            self.neighbour_urls[neighbour.name] = url
+            lines += (
+                f"      {neighbour.name}:\n        engine: llama\n        url: {url}\n"
+                f"        unit: {neighbour.unit}\n        role: gpu-light\n"
+                "        model: tiny\n        timeout_seconds: 0.4\n"
+            )
+        return lines
 
     # -- life cycle ---------------------------------------------------------------------------
 
@@ -219,7 +312,12 @@ class Lab:
 
     def _start(self) -> None:
         subprocess.run(["systemctl", "start", UNIT], check=True, timeout=30)
+        for neighbour in self.neighbours:
+            if neighbour.argv:
+                subprocess.run(["systemctl", "start", neighbour.unit], check=True, timeout=30)
         wait_until(lambda: _healthy(self.url), 60, interval=0.2, what="llama-server healthy")
+        for name, url in self.neighbour_urls.items():
+            wait_until(functools.partial(_healthy, url), 60, interval=0.2, what=f"{name} healthy")
         if self.hosts is not None:
             self.hosts.start(self.setup.roster, self.stand_in.env())
         host = load_roster(self.setup.roster).hosts["dioscuri"]
@@ -317,6 +415,7 @@ class Lab:
         with contextlib.ExitStack() as stack:
             stack.callback(self.zulip.close)
             stack.callback(self.stand_in.stop_all)
+            stack.callback(self._stop_ghosts)
             if self.hosts is not None:
                 stack.callback(self.hosts.close)
             if self.fleet is not None:
@@ -356,6 +455,37 @@ class Lab:
     def thaw(self, pid: int) -> None:
         """SIGCONT a frozen server: it answers again."""
         os.kill(pid, signal.SIGCONT)
+
+    def ghost(self) -> subprocess.Popen[bytes]:
+        """A stray llama-server on alpha's port, outside its unit (started by this process).
+
+        What DESIGN.md's port guard is for: the unit's own program (the same binary), left
+        over from an earlier run, in no unit. It dies with this process at the latest;
+        `close()` kills it. Start it while alpha's port is free.
+        """
+        path = self.tmp / f"ghost-{len(self.ghosts)}.log"
+        with path.open("wb") as log:
+            process = subprocess.Popen(
+                self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=die_with_parent,  # noqa: PLW1509 - one system call through libc
+            )  # fmt: skip
+        self.ghosts.append(process)
+        wait_until(lambda: _healthy(self.url) or process.poll() is not None, 60, interval=0.1,
+                   what="the ghost listening")  # fmt: skip
+        assert process.poll() is None, path.read_text()
+        return process
+
+    def _stop_ghosts(self) -> None:
+        for process in self.ghosts:
+            if process.poll() is None:
+                with contextlib.suppress(OSError):
+                    os.killpg(process.pid, signal.SIGKILL)
+                process.wait(timeout=10)
+
+    def unit_state(self, unit: str = UNIT) -> dict[str, Any]:
+        """The unit as the stand-in records it (ActiveState, NRestarts, Result, ...)."""
+        return dict(self.stand_in.units.get(unit, {}))
 
     def admin(self, method: str, path: str, body: Any = None) -> Any:
         """The remediator's admin API."""

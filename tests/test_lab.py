@@ -6,11 +6,17 @@ report's text — never on wall-clock times. `make test` runs them (marker `lab`
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from tests.lab import Lab
+from tests.lab import UNIT, Lab, Neighbour
+from tests.llama_lab import get_json
+from tests.llama_stand_in import LlamaStandIn
 
 pytestmark = pytest.mark.lab
 
@@ -104,3 +110,116 @@ def test_a_remediator_killed_after_its_drain_undoes_it_at_restart_and_reports(
                 assert all(r["decision"] in ("resolved", None) for r in later), later
     finally:
         proxy.close()
+
+
+# systemd/llama-server@.service in lab time: Restart=on-failure; RestartSec=10 becomes 2 s (a
+# crash loop the 1 s scrapes can see, not 0.17 s); StartLimitBurst=6 per hour becomes per minute.
+CRASH_LOOPING_UNIT = {
+    "restart": "on-failure",
+    "restart_sec": 2.0,
+    "start_limit_interval_seconds": 60,
+    "start_limit_burst": 6,
+}
+
+
+def test_a_ghost_holding_the_port_of_a_crash_looping_unit_is_killed_and_reported(
+    tmp_path: Path, llama_binary: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with Lab(tmp_path, llama_binary, tiny_model, monkeypatch, unit=CRASH_LOOPING_UNIT) as lab:
+        # A stray llama-server (the unit's own binary, in no unit) takes the port while the
+        # unit is down; the unit's server then cannot bind it and exits, again and again.
+        subprocess.run(["systemctl", "stop", UNIT], check=True, timeout=30)
+        ghost = lab.ghost()
+        lab.phase(f"ghost pid {ghost.pid} holds alpha's port; starting the unit")
+        subprocess.run(["systemctl", "start", UNIT], check=False, timeout=30)
+        lab.wait(lambda: int(lab.unit_state().get("NRestarts") or 0) >= 1, "a crash loop")
+        lab.wait_firing("PortGhost")
+
+        def ghost_run() -> dict[str, Any] | None:
+            done = [r for r in lab.runs() if r["playbook"] == "port-ghost" and r["state"] == "done"]
+            return done[0] if done else None
+
+        lab.wait(lambda: ghost_run() is not None, "the port-ghost run", timeout=120)
+        run = ghost_run()
+        assert run is not None
+        lab.phase(f"run {run['id']} ended: {run['outcome'] or run['decision']}")
+        assert run["alert"]["labels"]["server"] == "alpha"
+        steps = {s["action"]: s for s in run["steps"]}
+        assert [s["action"] for s in run["steps"]] == [
+            "capture_evidence", "kill_port_ghost", "restart_server", "wait_healthy",
+        ], run["steps"]  # fmt: skip
+        for step in run["steps"]:
+            assert step["result"] == "ok", step["output"]
+        # The evidence names the ghost before it was killed: its pid, as a stale process.
+        killed = steps["kill_port_ghost"]["output"]
+        assert f"held by a stale process of {UNIT}'s program" in killed, killed
+        assert f"pid {ghost.pid} (llama-server)" in killed, killed
+        assert f"sent SIGTERM to pid {ghost.pid}" in killed, killed
+        assert str(ghost.pid) in json.dumps(steps["capture_evidence"])
+        assert run["outcome"] == "healed", run["verification"]
+        assert ghost.wait(timeout=10) is not None  # gone
+        state = lab.unit_state()
+        assert state["ActiveState"] == "active" and lab.healthy(), state
+        lab.wait(lambda: not lab.alerts("PortGhost"), "PortGhost to resolve")
+        lab.wait(lambda: any("`port-ghost` on `server/dioscuri/alpha`" in r and "✅ **Healed**"
+                             in r for r in lab.reports()), "the healed report")  # fmt: skip
+
+        # The same ghost at start-up, with the port guard as the unit's ExecStartPre= (as
+        # systemd/llama-server@.service has it): cleared before the server starts.
+        subprocess.run(["systemctl", "stop", UNIT], check=True, timeout=30)
+        lab.stand_in.set_unit(UNIT, _exec_start_pre=lab.guard_argv(), _env=lab.guard_env())
+        second = lab.ghost()
+        subprocess.run(["systemctl", "start", UNIT], check=True, timeout=60)
+        assert second.wait(timeout=10) is not None
+        assert lab.unit_state()["ActiveState"] == "active"
+        lab.wait(lab.healthy, "alpha healthy behind the guard")
+        journal = lab.stand_in.log_path(UNIT).read_text()
+        assert f"held by a stale process of {UNIT}'s program" in journal
+        assert f"pid {second.pid} " in journal
+
+
+def test_a_trickling_and_a_sleeping_neighbour_alert_wake_and_restart_nothing(
+    tmp_path: Path, llama_binary: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # On alpha's host: a server whose inference-loop endpoints send a byte a second (/health
+    # answers at once: it is not down), and a real llama-server that unloads its model when
+    # idle. Each has its own port and unit. The trickle begins with the watch, so it lasts
+    # less than LlamaServerStuck's `for:` (15 s in lab time): past that the trickler is stuck
+    # by the rules' own definition (a /metrics that never answers is a hung loop) and a run
+    # for it is right; what is under test here is what it does to its neighbours.
+    trickling = LlamaStandIn("trickle", paths=frozenset())  # nothing trickles yet
+    sleeper = Neighbour("sleeper", argv=(
+        str(llama_binary), "-m", str(tiny_model), "--host", "127.0.0.1", "--port", "{port}",
+        "-c", "256", "-np", "1", "-t", "1", "--metrics", "--sleep-idle-seconds", "1",
+    ))  # fmt: skip
+    trickler = Neighbour("trickler", url=trickling.url, main_pid=os.getpid())
+    with trickling, Lab(tmp_path, llama_binary, tiny_model, monkeypatch,
+                        neighbours=[sleeper, trickler]) as lab:  # fmt: skip
+        url = lab.neighbour_urls["sleeper"]
+        lab.wait(lambda: get_json(url, "/props")["is_sleeping"] is True, "the sleeper asleep")
+        trickling.paths = frozenset({"/metrics", "/slots", "/props"})
+        lab.phase("the sleeper sleeps, the trickler trickles; watching 8 scrapes")
+        pids = {unit: lab.stand_in.main_pid(unit) for unit in (UNIT, sleeper.unit)}
+        acted = len([c for c in lab.stand_in.calls() if not c.startswith("show")])
+        lab.sleep(8)  # eight scrapes and evaluations, four times the shortest for: in lab time
+        assert lab.prometheus is not None
+        # The scrapes kept up: alpha and the sleeper were read on the latest one.
+        assert lab.prometheus.query('gpufleet_llama_up{server=~"alpha|sleeper"} == 1')
+        assert lab.prometheus.query('gpufleet_llama_sleeping{server="sleeper"} == 1')
+        # No alert: on the neighbours, the host, or (yet) the trickler. Watchdog always fires;
+        # the lab does not scrape the remediator, so its own alert says so.
+        # The trickle was seen: the trickler's /metrics timed out (busy) on the latest scrape.
+        assert lab.prometheus.query(
+            'gpufleet_llama_endpoint{server="trickler",endpoint="metrics",state="busy"} == 1'
+        )
+        firing = lab.prometheus.query(
+            'ALERTS{alertstate="firing",alertname!~"Watchdog|GpuFleetRemediatorDown"}'
+        )
+        assert firing == [], firing
+        pending = lab.prometheus.query('ALERTS{alertstate="pending",server!="trickler"}')
+        assert pending == [], pending  # the trickler's own LlamaServerStuck may be pending
+        assert get_json(url, "/props")["is_sleeping"] is True  # never woken by a read
+        assert {unit: lab.stand_in.main_pid(unit) for unit in pids} == pids
+        assert len([c for c in lab.stand_in.calls() if not c.startswith("show")]) == acted
+        restarts = [s for r in lab.runs() for s in r["steps"] if s["action"] == "restart_server"]
+        assert restarts == [], lab.runs()

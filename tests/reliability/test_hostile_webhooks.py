@@ -171,7 +171,7 @@ def test_hostile_bodies_are_answered_4xx_or_200_and_journaled(
     lost: list[bytes] = []
     phantom: list[bytes] = []
 
-    @settings(max_examples=sized(600, 3000), **_HYPOTHESIS)
+    @settings(max_examples=sized(400, 3000), **_HYPOTHESIS)
     @given(body=bodies())
     def post(body: bytes) -> None:
         before = lab.admitted()
@@ -234,7 +234,7 @@ def test_replayed_and_reordered_notifications_act_once_per_occurrence(
     posted = [0]
     labs = iter(range(1_000_000))
 
-    @settings(max_examples=sized(25, 150), **_HYPOTHESIS)
+    @settings(max_examples=sized(20, 150), **_HYPOTHESIS)
     @given(story=_stories())
     def replay(story: list[tuple[int, str]]) -> None:
         # A journal of its own per story: each occurrence on a server of its own, fresh.
@@ -427,7 +427,7 @@ def test_slow_loris_and_large_bodies_while_real_alerts_are_admitted(
     )
     replica = Replica(setup, port, tmp_path / "remediator.log").start()
     journal = tmp_path / "journal.db"
-    seconds = sized(20, 120)
+    seconds = sized(15, 120)
     answered: dict[str, int] = {}
     slowest = [0.0]
     attacks: dict[str, int] = {}

@@ -14,7 +14,7 @@ import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 
@@ -22,7 +22,15 @@ from exporter.canary import CanaryProbe
 from exporter.collectors import catalogue
 from exporter.collectors.llama import LlamaCollector
 from exporter.roster import Canary
+from remediator.actions.registry import StepResult
+from remediator.actions.serving import CanaryParams, canary_benchmark
+from remediator.actions.settings import ActionSettings
+from remediator.alerts import Alert
+from remediator.playbooks.loader import Rejection, Target, load_playbooks
+from remediator.playbooks.model import resolve_target
 from tests.llama_lab import LlamaServer, get_json, wait_until
+from tests.prometheus_lab import MetricsEndpoint, PrometheusServer
+from tests.test_host_actions import context, server_roster
 from tests.test_llama_collector import Scrape, entry
 
 ROUTER_ARGS = ("-c", "512", "-np", "2", "-t", "1", "--metrics", "--models-max", "3")
@@ -224,3 +232,68 @@ def test_the_roster_may_mark_a_router_when_props_does_not_say(marked: bool | Non
                 assert "models" not in endpoints and s.endpoint("hub", "metrics") == "ok"
         finally:
             collector.close()
+
+
+# -- the remediator's canary_benchmark on a router's child -------------------------------------
+
+
+def test_the_remediators_canary_measures_the_named_child_and_loads_no_other(
+    start_router: Any, tmp_path: Path
+) -> None:
+    router = start_router()
+    roster = server_roster(tmp_path, router.url)
+    host = roster.hosts["dioscuri"]
+    # The 7-day baseline of alpha alone (a router's children have their own, by served_model).
+    baseline = (
+        'server_model:gpufleet_tokens_per_second:baseline_7d{host="dioscuri",server="alpha",'
+        'role="r",model="alpha",served_model="alpha"} 1\n'
+    )
+    with (
+        MetricsEndpoint(baseline) as endpoint,
+        PrometheusServer(tmp_path / "prom", [endpoint.target]) as prometheus,
+    ):
+        prometheus.wait_for(
+            'server_model:gpufleet_tokens_per_second:baseline_7d{served_model="alpha"}'
+        )
+
+        def canary(served: str, mode: Literal["confirm", "verify"] = "confirm") -> StepResult:
+            target = Target("server", "dioscuri", host, server="alpha",
+                            server_entry=host.servers["alpha"], served_model=served)  # fmt: skip
+            ctx = context(target, ActionSettings(), prometheus_url=prometheus.url)
+            return canary_benchmark(ctx, CanaryParams(n_predict=8, mode=mode))
+
+        measured = canary("alpha")
+        assert measured.ok and measured.finish is not None, measured.output  # 1 tok/s: false alarm
+        assert "false alarm" in measured.output and measured.details["tokens_per_second"] > 1
+        # beta is listed, not loaded: not measured, not loaded by the attempt, nothing restarted.
+        skipped = canary("beta")
+        assert skipped.ok and "not measured: model beta is not loaded" in skipped.output
+        assert skipped.finish is not None
+        # As a verification probe an unknown speed is no recovery.
+        unverified = canary("beta", mode="verify")
+        assert not unverified.ok and "not verified: model beta is not loaded" in unverified.output
+    assert states(router)["beta"]["value"] == "unloaded"
+
+
+def test_a_router_childs_alert_names_it_in_the_target_and_a_bad_name_is_refused(
+    tmp_path: Path,
+) -> None:
+    roster = server_roster(tmp_path, "http://127.0.0.1:9")
+    playbook = next(p for p in load_playbooks(None) if p.name == "tokens-per-second-degraded")
+
+    def resolve(**labels: str) -> object:
+        alert = Alert.model_validate(
+            {"status": "firing", "startsAt": "2026-12-01T04:00:00Z", "fingerprint": "f00d",
+             "labels": {"alertname": "TokensPerSecondDegraded", "host": "dioscuri",
+                        "server": "alpha", **labels}}
+        )  # fmt: skip
+        return resolve_target(playbook, alert, roster)
+
+    child = resolve(served_model="gemma-4.Q4_K_M")
+    assert isinstance(child, Target) and child.served_model == "gemma-4.Q4_K_M"
+    assert child.key == "server/dioscuri/alpha"  # the budget is the router's: one process
+    plain = resolve()
+    assert isinstance(plain, Target) and plain.served_model is None
+    for hostile in ('a"}) or vector(1', "x y", "../etc", "-rf"):
+        refused = resolve(served_model=hostile)
+        assert isinstance(refused, Rejection) and "is not a model id" in refused.reason

@@ -39,6 +39,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import quote
 
 from pydantic import Field
 
@@ -350,6 +351,26 @@ def wait_healthy(ctx: ActionContext, params: WaitHealthyParams) -> StepResult:
 # --- canary_benchmark ------------------------------------------------------------------------
 
 
+def _child_asleep(ctx: ActionContext, entry: Server, served: str) -> str | None:
+    """Why a router's child must not be measured now (asleep, not loaded, unknown), or None.
+
+    `/props?model=…&autoload=false` answers from the child without loading it; its
+    `is_sleeping` is read as the exporter reads it (unknown counts as asleep: a wrong guess
+    must not wake a sleeper).
+    """
+    query = f"?model={quote(served, safe='')}&autoload=false"
+    answer = http_call("GET", f"{entry.url}/props{query}", timeout=_timeout(ctx),
+                       bearer=_server_key(entry))  # fmt: skip
+    if answer.status != 200:
+        why = answer.error or f"/props answered {answer.status}"
+        return f"model {served} is not loaded ({why})"
+    data = answer.json()
+    sleeping = data.get("is_sleeping") if isinstance(data, dict) else None
+    if sleeping is False:
+        return None
+    return f"model {served} is asleep" if sleeping else f"model {served}: sleeping unknown"
+
+
 class CanaryParams(ActionParams):
     """`canary_benchmark`: one measured generation compared with the 7-day baseline."""
 
@@ -375,12 +396,27 @@ def canary_benchmark(ctx: ActionContext, params: CanaryParams) -> StepResult:
         return entry
     if entry.engine != "llama":
         return StepResult(False, "canary_benchmark: needs llama-server's timings (engine llama)")
+    # A router's child: measured on its own, by name, never loaded or woken (below).
+    served = ctx.target.served_model
     # The series of the server's role and model now: after a model swap, the former model's
     # baseline lives on for 7 days beside the new one, and the first series could be either.
+    # A router's child has its own series, named by `served_model` (its `model` is the id).
+    which = f"served_model={json.dumps(served)}" if served else f"model={json.dumps(entry.model)}"
+    if served:
+        asleep = _child_asleep(ctx, entry, served)
+        if asleep is not None and params.mode == "verify":
+            # After a restart the child may not be loaded again: the speed is unknown, and
+            # loading it to find out is not the canary's to do.
+            return StepResult(False, f"not verified: {asleep} (a canary loads and wakes nothing)")
+        if asleep is not None:
+            # Not measured, and nothing to restart for it: the rules do not call a sleeping
+            # or unloaded model degraded, so the alert is stale (or the child just unloaded).
+            return StepResult(True, f"not measured: {asleep}; nothing is restarted",
+                              finish=f"not measured: {asleep}")  # fmt: skip
     query = params.baseline_query or (
         "server_model:gpufleet_tokens_per_second:baseline_7d"
         f'{{host="{ctx.target.host}",server="{ctx.target.server}",'
-        f"role={json.dumps(entry.role)},model={json.dumps(entry.model)}}}"
+        f"role={json.dumps(entry.role)},{which}}}"
     )
     try:
         series = query_instant(ctx.prometheus_url, query, timeout_seconds=min(5.0, ctx.remaining()))
@@ -390,16 +426,24 @@ def canary_benchmark(ctx: ActionContext, params: CanaryParams) -> StepResult:
         baseline = float(series[0]["value"][1])
     except (IndexError, KeyError, TypeError, ValueError):
         return StepResult(False, f"no baseline: {query} returned no value")
+    body: dict[str, object] = {
+        "prompt": "Write a long story about a lighthouse keeper.",
+        "n_predict": params.n_predict,
+        "cache_prompt": False,
+        "ignore_eos": True,
+    }
+    path = "/completion"
+    if served:
+        # The router forwards a POST by the body's `model`; `autoload=false` makes it refuse
+        # (400 "model is not loaded") rather than load a child that unloaded meanwhile
+        # (server-models.cpp, proxy_post and router_validate_model, in the pinned source).
+        body["model"] = served
+        path = "/completion?autoload=false"
     answer = http_call(
         "POST",
-        f"{entry.url}/completion",
+        f"{entry.url}{path}",
         timeout=min(params.timeout_seconds, ctx.remaining()),
-        body={
-            "prompt": "Write a long story about a lighthouse keeper.",
-            "n_predict": params.n_predict,
-            "cache_prompt": False,
-            "ignore_eos": True,
-        },
+        body=body,
         bearer=_server_key(entry),
     )
     data = answer.json()

@@ -77,9 +77,15 @@ class Target:
     server: str | None = None
     server_entry: Server | None = None
     gpu: int | None = None
+    # A router's child (llama-server --models-dir) that the alert is about: the alert's
+    # `served_model` label, checked against `_SERVED_MODEL`. The budget stays the server's
+    # (`key`): restarting a router restarts every child.
+    served_model: str | None = None
     key: str = field(init=False)
 
     def __post_init__(self) -> None:
+        if self.served_model is not None and self.kind != "server":
+            raise ValueError("only a server target names a served model")
         if self.kind == "server":
             if self.server is None or self.server_entry is None or self.gpu is not None:
                 raise ValueError("a server target needs server and server_entry, and no gpu")
@@ -316,6 +322,9 @@ def match_playbook(playbooks: Iterable[Playbook], alert: Alert) -> Playbook | No
 
 
 _GPU_INDEX = re.compile(r"^[0-9]{1,4}$")
+# A router model id as llama-server lists it in /models (a GGUF file's stem or a preset's
+# name): a conservative alphabet, since it goes into a request body and a PromQL matcher.
+_SERVED_MODEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+-]{0,199}$")
 
 
 def resolve_target(playbook: Playbook, alert: Alert, roster: Roster) -> Target | Rejection:
@@ -346,7 +355,12 @@ def resolve_target(playbook: Playbook, alert: Alert, roster: Roster) -> Target |
         server_entry = host_entry.servers.get(server_label)
         if server_entry is None:
             return Rejection(f"server {_quote(server_label)} is not in the roster on host {host}")
-        return Target("server", host, host_entry, server=server_label, server_entry=server_entry)
+        # Outside router mode the exporter leaves `served_model` empty (no label).
+        served_model = labels.get("served_model") or None
+        if served_model is not None and not _SERVED_MODEL.fullmatch(served_model):
+            return Rejection(f"served_model {_quote(served_model)} is not a model id")
+        return Target("server", host, host_entry, server=server_label, server_entry=server_entry,
+                      served_model=served_model)  # fmt: skip
     gpu_label = labels.get("gpu")
     if not gpu_label:
         return Rejection(f"the alert has no `gpu` label (playbook {playbook.name} acts on a GPU)")

@@ -22,6 +22,7 @@ import random
 import socket
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,7 +64,7 @@ _HYPOTHESIS: dict[str, Any] = {
 
 @dataclass
 class WebhookLab:
-    """The real app on a real SQLite journal; every roster server a prefix on `model`."""
+    """The real app on a real SQLite journal; every roster server one of `model`'s listeners."""
 
     client: FlaskClient
     services: Services
@@ -99,20 +100,25 @@ class WebhookLab:
         return [dict(zip(keys, row, strict=True)) for row in rows]
 
     def wrong_actions(self) -> list[str]:
-        """Runs that acted on a target outside the roster, and hits on no roster server."""
+        """Runs that acted on a target outside the roster, and restarts no run decided."""
         roster = self.services.roster
         wrong = []
+        acting: Counter[str] = Counter()
         for run in self.runs():
             if run["target"] is None or run["decision"] != "run":
                 continue
+            acting[str(run["target"])] += 1
             kind, host, *rest = str(run["target"]).split("/")
             if host not in roster.hosts or (
                 kind == "server" and (not rest or rest[0] not in roster.hosts[host].servers)
             ):
                 wrong.append(f"run {run['id']} on {run['target']}")
         with self.model._lock:
-            hit = list(self.model.hits)
-        wrong += [f"request to {s}{p}" for s, p in hit if s not in roster.hosts["dioscuri"].servers]
+            hits = dict(self.model.hits)
+        for (server, path), count in hits.items():
+            if path == "/restart" and count > acting[f"server/dioscuri/{server}"]:
+                runs = acting[f"server/dioscuri/{server}"]
+                wrong.append(f"{count} restarts of {server}, {runs} runs decided")
         return wrong
 
 

@@ -126,7 +126,7 @@ class WriterLock:
     """
 
     def __init__(self, patience: float = 0.05) -> None:
-        self._cond = threading.Condition(threading.Lock())
+        self._mutex = threading.Lock()
         self._patience = patience
         self._held = False
         self._waiting: list[_Waiter] = []
@@ -134,15 +134,17 @@ class WriterLock:
     @contextlib.contextmanager
     def hold(self, *, urgent: bool) -> Iterator[None]:
         """Hold the writer for the block; `urgent`: an admission, which goes first."""
-        with self._cond:
+        with self._mutex:
             if not self._held:
                 self._held = True
             else:
-                waiter = _Waiter(time.monotonic(), urgent)
+                # Each waiter sleeps on a condition of its own (all on the one mutex): a hand-over
+                # wakes the one writer it chose, not every waiting thread (a storm's 16).
+                waiter = _Waiter(time.monotonic(), urgent, threading.Condition(self._mutex))
                 self._waiting.append(waiter)
                 try:
                     while not waiter.granted:
-                        self._cond.wait()
+                        waiter.turn.wait()
                 except BaseException:
                     if waiter.granted:  # handed over just now: pass it on
                         self._hand_over()
@@ -152,12 +154,12 @@ class WriterLock:
         try:
             yield
         finally:
-            with self._cond:
+            with self._mutex:
                 self._hand_over()
 
     def _hand_over(self) -> None:
-        # Called with the condition held, by the holder: the next holder is chosen here, once,
-        # so waiters never disagree about whose turn it is.
+        # Called with the mutex held, by the holder: the next holder is chosen here, once, so
+        # waiters never disagree about whose turn it is.
         if not self._waiting:
             self._held = False
             return
@@ -167,15 +169,16 @@ class WriterLock:
         chosen = (overdue or urgent or self._waiting)[0]
         self._waiting.remove(chosen)
         chosen.granted = True
-        self._cond.notify_all()
+        chosen.turn.notify()
 
 
 class _Waiter:
-    __slots__ = ("granted", "since", "urgent")
+    __slots__ = ("granted", "since", "turn", "urgent")
 
-    def __init__(self, since: float, urgent: bool) -> None:
+    def __init__(self, since: float, urgent: bool, turn: threading.Condition) -> None:
         self.since = since
         self.urgent = urgent
+        self.turn = turn
         self.granted = False
 
 

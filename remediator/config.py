@@ -350,19 +350,22 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+def _user_id(value: str) -> str:
+    # RFC 7617: the user-id ends at the first colon; one inside could never match.
+    if ":" in value or value != value.strip():
+        raise ValueError("must not contain ':' or surrounding spaces")
+    return value
+
+
+UserId = Annotated[str, Field(min_length=1, max_length=200), AfterValidator(_user_id)]
+"""A basic-auth user name (the webhook's or admin's `basic_auth`, the page's `ui`)."""
+
+
 class BasicAuthSettings(_Strict):
     """Basic auth: a user name in the YAML, the password in a file."""
 
-    username: str = Field(min_length=1, max_length=200)
+    username: UserId
     password_file: SecretFile
-
-    @field_validator("username")
-    @classmethod
-    def _no_colon(cls, value: str) -> str:
-        # RFC 7617: the user-id ends at the first colon; one inside could never match.
-        if ":" in value or value != value.strip():
-            raise ValueError("must not contain ':' or surrounding spaces")
-        return value
 
 
 BCRYPT_HASH = re.compile(r"^\$2[aby]\$(0[4-9]|[12][0-9]|3[01])\$[./A-Za-z0-9]{53}$")
@@ -388,16 +391,8 @@ class UiSettings(_Strict):
     the remediator's disk; a changed hash needs a restart, a changed password does not).
     """
 
-    username: str = Field(default="ui", min_length=1, max_length=200)
+    username: UserId = "ui"
     password_file: Annotated[Path, AfterValidator(_ui_password_file)]
-
-    @field_validator("username")
-    @classmethod
-    def _no_colon(cls, value: str) -> str:
-        # RFC 7617: the user-id ends at the first colon; one inside could never match.
-        if ":" in value or value != value.strip():
-            raise ValueError("must not contain ':' or surrounding spaces")
-        return value
 
 
 class AuthSettings(_Strict):

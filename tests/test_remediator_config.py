@@ -201,6 +201,7 @@ def test_secret_files_must_be_usable(etc: Path) -> None:
         roster: fleet.yaml
         auth: {bearer_token_file: spaced.token}
         admin: {basic_auth: {username: "ad:min", password_file: two-lines}}
+        ui: {username: " ui", password_file: two-lines}
         """,
     )
     assert found[0].startswith(
@@ -210,6 +211,8 @@ def test_secret_files_must_be_usable(etc: Path) -> None:
         "admin.basic_auth.username: must not contain ':' or surrounding spaces",
         f"admin.basic_auth.password_file: {etc / 'two-lines'}: must hold one line (the "
         "secret), not several",
+        "ui.username: must not contain ':' or surrounding spaces",
+        f"ui.password_file: {etc / 'two-lines'}: must hold one line (the secret), not several",
     ]
 
 

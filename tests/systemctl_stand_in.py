@@ -51,6 +51,7 @@ import fcntl
 import json
 import os
 import signal
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -211,14 +212,26 @@ class SystemctlStandIn:
         """An environment for child processes that finds the stand-ins on PATH."""
         return {
             **os.environ,
-            "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+            "PATH": _path(),
             "GPUFLEET_SYSTEMCTL_STATE": str(self.state_path),
         }
 
     def activate(self, monkeypatch: pytest.MonkeyPatch) -> None:
         """Put the stand-ins first on this process's PATH for the test."""
-        monkeypatch.setenv("PATH", f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+        monkeypatch.setenv("PATH", _path())
         monkeypatch.setenv("GPUFLEET_SYSTEMCTL_STATE", str(self.state_path))
+
+
+def _path() -> str:
+    """The stand-ins first, then this interpreter's directory, then the PATH as it was.
+
+    The stand-ins run as `python3 -S` (stdlib only): the exporter runs `systemctl show` on
+    every scrape, and a version manager's `python3` shim (pyenv's: a shell script that runs
+    `pyenv exec`) or site-packages' start-up took 0.1-0.2 s of each call here, over a second
+    on a loaded machine, where the real systemctl answers in milliseconds; the lab's 1 s
+    scrapes then timed out.
+    """
+    return os.pathsep.join([str(BIN), str(Path(sys.executable).parent), os.environ.get("PATH", "")])
 
 
 def _start_ticks(pid: int) -> int | None:

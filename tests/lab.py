@@ -10,9 +10,13 @@ Prometheus' `ALERTS`, the report's text — never on wall-clock times.
 
 **Lab time**: a minute of production is a second here. Every `for:` of the rules and every
 range selector (`[5m]` → `[5s]`) is divided by 60 (at least 1 s; a range at least 3 s, three
-scrapes), so an alert that needs its
-condition for 1 minute needs it for 1 s; offsets and `[7d]` baselines are left as they are
-(they find no history in a fresh lab, as the rules expect of a new server). Alertmanager's
+scrapes), so an alert that needs its condition for 1 minute needs it for 1 s; a rule whose
+range that floor stretched has its `for:` stretched alike (`[1m]` → `[3s]`, `for: 2m` →
+`6s`), so that it still takes the product's number of failed scrapes to fire. Offsets and `[7d]`
+baselines are left as they are (they find no history in a fresh lab, as the rules expect of a
+new server). The runaway rule's token thresholds are divided by 8 (8192 → 1024, 2048 → 256):
+tokens are time at a server's speed, and the tiny model on one thread here slows to well under
+100 tokens a second as its context fills, so 8192 took two minutes. Alertmanager's
 `group_wait` and `group_interval` are 1 s.
 
     with Lab(tmp_path, llama_binary, tiny_model, monkeypatch) as lab:
@@ -26,7 +30,8 @@ Restart=, RestartSec=, start limit: `SystemctlStandIn.declare_service`; `guard_a
 `neighbours` more servers on dioscuri (`Neighbour`), `playbooks` more playbook files in the
 remediator's playbooks_dir (`lab_playbook` rewrites a built-in one for lab time). `ghost()`
 starts a stray llama-server on alpha's port, outside its unit: the leftover of an earlier run
-that DESIGN.md's port guard is for.
+that DESIGN.md's port guard is for; `runaway()` a request that generates without end
+(`CRASH_LOOPING_UNIT` and `RUNAWAY_ARGS` are what those scenarios start alpha with).
 """
 
 from __future__ import annotations
@@ -34,11 +39,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import http.client
 import json
+import math
 import os
 import re
 import signal
 import subprocess
+import threading
 import time
 import urllib.request
 from collections.abc import Mapping, Sequence
@@ -72,11 +80,39 @@ UNIT = "llama-server@alpha.service"
 NODE = REPO / ".venv" / "bin" / "gpu-fleet-node"
 _FOR = re.compile(r"^(\s*for:\s*)(\d+)([smh])\s*$", re.MULTILINE)
 _RANGE = re.compile(r"\[(\d+)([mh])\]")
+_RULE = re.compile(r"^(?=\s*- (?:alert|record):)", re.MULTILINE)
+# A selector's braces may hold a playbook's `{host}` placeholders: one level of nesting.
+_TOKENS = re.compile(
+    r"(gpufleet_llama_slot_decoded_tokens(?:\{(?:[^{}]|\{[^{}]*\})*\})?\s*>\s*)(\d+)"
+)
 _SECONDS = {"s": 1, "m": 60, "h": 3600}
+LAB_TOKENS = 8  # the runaway thresholds in tokens are divided by this (see the docstring)
 
 
-def _lab_duration(amount: int, unit: str, *, at_least: int = 1) -> str:
-    return f"{max(at_least, amount * _SECONDS[unit] // 60)}s"
+def _lab_tokens(text: str) -> str:
+    return _TOKENS.sub(lambda m: m[1] + str(int(m[2]) // LAB_TOKENS), text)
+
+
+def _lab_rule(text: str) -> str:
+    """One rule (or the text before the first) in lab time: its ranges, then its `for:`."""
+    stretch = 1.0
+
+    def lab_range(match: re.Match[str]) -> str:
+        nonlocal stretch
+        seconds = int(match[1]) * _SECONDS[match[2]]
+        # A range holds at least three of the lab's 1 s scrapes (`[1m]` → `[3s]`, not `[1s]`,
+        # which a scrape's jitter would leave empty now and then).
+        lab = max(3, seconds // 60)
+        stretch = max(stretch, lab / (seconds / 60))
+        return f"[{lab}s]"
+
+    text = _RANGE.sub(lab_range, text)
+    # A range stretched by that floor stretches the rule's `for:` alike: `last_over_time(
+    # ...[1m]) for: 2m` (LlamaServerDown) wants failures a minute apart for two minutes;
+    # `[3s]` with `for: 2s` would fire on one failed scrape (a restart), `for: 6s` does not.
+    return _FOR.sub(
+        lambda m: f"{m[1]}{math.ceil(int(m[2]) * _SECONDS[m[3]] / 60 * stretch)}s", text
+    )
 
 
 def lab_rules(directory: Path) -> list[Path]:
@@ -84,30 +120,31 @@ def lab_rules(directory: Path) -> list[Path]:
     directory.mkdir(parents=True, exist_ok=True)
     written = []
     for path in sorted((REPO / "rules").glob("*.rules.yml")):
-        text = path.read_text()
-        text = _FOR.sub(lambda m: m[1] + _lab_duration(int(m[2]), m[3]), text)
-        # A range holds at least three of the lab's 1 s scrapes (`[1m]` → `[3s]`, not `[1s]`,
-        # which a scrape's jitter would leave empty now and then).
-        text = _RANGE.sub(lambda m: f"[{_lab_duration(int(m[1]), m[2], at_least=3)}]", text)
+        text = "".join(_lab_rule(part) for part in _RULE.split(path.read_text()))
         target = directory / path.name
-        target.write_text(text)
+        target.write_text(_lab_tokens(text))
         written.append(target)
     return written
 
 
 _COOLDOWN = re.compile(r"^(\s*cooldown_seconds:\s*)(\d+)\s*$", re.MULTILINE)
+_DRAIN_WAIT = re.compile(r"(drain: \{max_wait_seconds: )(\d+)")
 BUILTIN_PLAYBOOKS = REPO / "remediator" / "playbooks" / "builtin"
 
 
 def lab_playbook(name: str) -> str:
-    """A built-in playbook for lab time, as `<name>-lab`: its cooldown divided by 60.
+    """A built-in playbook for lab time, as `<name>-lab`: its cooldown and its drain's wait
+    divided by 60 (at least 1 s).
 
     playbooks_dir is matched before the built-ins (remediator/playbooks/loader.py), so the
-    copy handles the alert; only the cooldown changes (a flapping fault would otherwise wait
-    10 minutes between runs); the breaker's count and window stay the product's.
+    copy handles the alert. The cooldown: a flapping fault would otherwise wait 10 minutes
+    between runs; the drain: a runaway request never ends, so its drain waits all its 30 s.
+    The breaker's count and window, the steps and the verification stay the product's.
     """
     text = (BUILTIN_PLAYBOOKS / f"{name}.yaml").read_text()
     text = re.sub(r"^name: .*$", f"name: {name}-lab", text, count=1, flags=re.MULTILINE)
+    text = _DRAIN_WAIT.sub(lambda m: m[1] + str(max(1, int(m[2]) // 60)), text)
+    text = _lab_tokens(text)  # its verification uses the rule's thresholds
     return _COOLDOWN.sub(lambda m: m[1] + str(max(1, int(m[2]) // 60)), text)
 
 
@@ -129,6 +166,52 @@ class Neighbour:
     def unit(self) -> str:
         """Its unit, `llama-server@NAME.service`."""
         return f"llama-server@{self.name}.service"
+
+
+# systemd/llama-server@.service in lab time: Restart=on-failure; RestartSec=10 becomes 2 s (a
+# crash loop the 1 s scrapes can see, not 0.17 s); StartLimitBurst=6 per hour becomes per minute.
+CRASH_LOOPING_UNIT: Mapping[str, Any] = {
+    "restart": "on-failure",
+    "restart_sec": 2.0,
+    "start_limit_interval_seconds": 60,
+    "start_limit_burst": 6,
+}
+# A runaway needs room: the model's own 32768 tokens of context, not the lab's 256.
+RUNAWAY_ARGS = ("-c", "32768")
+
+
+class Runaway:
+    """A request without a cap (n_predict -1) that never meets an end-of-sequence, in a thread.
+
+    It runs until the context is full or the server goes. `cut` is how it ended without an
+    answer (the restart that must end it), `answer` the status and start of an answer if one
+    came. Started by `Lab.runaway()`.
+    """
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.cut: str | None = None
+        self.answer: tuple[int, bytes] | None = None
+        self.thread = threading.Thread(target=self._generate, name="runaway", daemon=True)
+        self.thread.start()
+
+    def _generate(self) -> None:
+        body = {"prompt": "once upon a time", "n_predict": -1, "ignore_eos": True,
+                "cache_prompt": False}  # fmt: skip
+        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=300)
+        try:
+            connection.request("POST", "/completion", json.dumps(body),
+                               {"Content-Type": "application/json"})  # fmt: skip
+            answer = connection.getresponse()
+            self.answer = (answer.status, answer.read()[:200])
+        except (OSError, http.client.HTTPException) as error:
+            self.cut = repr(error)
+        finally:
+            connection.close()
+
+    def join(self, timeout: float) -> None:
+        """Until the request has ended (or `timeout`)."""
+        self.thread.join(timeout)
 
 
 def _get(url: str, token: str | None = None) -> Any:
@@ -455,6 +538,20 @@ class Lab:
     def thaw(self, pid: int) -> None:
         """SIGCONT a frozen server: it answers again."""
         os.kill(pid, signal.SIGCONT)
+
+    def runaway(self) -> Runaway:
+        """Start a runaway request on alpha (started with `RUNAWAY_ARGS`); it generates on.
+
+        Its server's threads get nice 10 first: a runaway takes a core flat out and this
+        machine has two, and the lab's own parts (the exporter, Prometheus) must keep their
+        1 s pace: a scrape past its 1 s timeout drops every series at once, and a firing alert
+        resolves mid-run.
+        """
+        pid = self.server_pid()
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(OSError):  # a thread that ended meanwhile
+                os.setpriority(os.PRIO_PROCESS, int(task.name), 10)
+        return Runaway(self.port)
 
     def ghost(self) -> subprocess.Popen[bytes]:
         """A stray llama-server on alpha's port, outside its unit (started by this process).

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.lab import UNIT, Lab, Neighbour
+from tests.lab import CRASH_LOOPING_UNIT, RUNAWAY_ARGS, UNIT, Lab, Neighbour, lab_playbook
 from tests.llama_lab import get_json
 from tests.llama_stand_in import LlamaStandIn
 
@@ -110,16 +113,6 @@ def test_a_remediator_killed_after_its_drain_undoes_it_at_restart_and_reports(
                 assert all(r["decision"] in ("resolved", None) for r in later), later
     finally:
         proxy.close()
-
-
-# systemd/llama-server@.service in lab time: Restart=on-failure; RestartSec=10 becomes 2 s (a
-# crash loop the 1 s scrapes can see, not 0.17 s); StartLimitBurst=6 per hour becomes per minute.
-CRASH_LOOPING_UNIT = {
-    "restart": "on-failure",
-    "restart_sec": 2.0,
-    "start_limit_interval_seconds": 60,
-    "start_limit_burst": 6,
-}
 
 
 def test_a_ghost_holding_the_port_of_a_crash_looping_unit_is_killed_and_reported(
@@ -223,3 +216,93 @@ def test_a_trickling_and_a_sleeping_neighbour_alert_wake_and_restart_nothing(
         assert len([c for c in lab.stand_in.calls() if not c.startswith("show")]) == acted
         restarts = [s for r in lab.runs() for s in r["steps"] if s["action"] == "restart_server"]
         assert restarts == [], lab.runs()
+
+
+def test_a_runaway_generation_is_drained_restarted_and_reported(
+    tmp_path: Path, llama_binary: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A request without a cap that never meets an end-of-sequence (`Lab.runaway`), on a server
+    # with room for it to pass the rule's threshold (8192 tokens, 1024 in the lab) and to be
+    # still running when the run cuts it.
+    playbooks = {"runaway-lab.yaml": lab_playbook("llama-server-runaway")}
+    with Lab(tmp_path, llama_binary, tiny_model, monkeypatch, llama_args=RUNAWAY_ARGS,
+             playbooks=playbooks) as lab:  # fmt: skip
+        before = lab.server_pid()
+        runaway = lab.runaway()
+        lab.phase("a runaway request (n_predict -1, no end-of-sequence) is generating")
+        lab.wait_firing("LlamaServerRunawayGeneration", timeout=120)
+        run = lab.wait_run_done()
+        lab.phase(f"run {run['id']} ended: {run['outcome'] or run['decision']}")
+        assert run["playbook"] == "llama-server-runaway-lab", run
+        assert run["alert"]["labels"]["server"] == "alpha"
+        assert run["alert"]["labels"]["cause"] == "decoded_tokens"
+        assert [s["action"] for s in run["steps"]] == [
+            "capture_evidence", "drain", "restart_server", "wait_healthy",
+        ], run["steps"]  # fmt: skip
+        for step in run["steps"]:
+            assert step["result"] == "ok", step["output"]
+        # The drain saw the runaway still in its slot, and went on: the restart cuts it.
+        drain = next(s for s in run["steps"] if s["action"] == "drain")
+        assert "still 1 request(s) processing" in drain["output"], drain["output"]
+        assert run["outcome"] == "healed", run["verification"]
+        runaway.join(timeout=30)
+        assert runaway.cut is not None, runaway.answer  # never answered: cut by the restart
+        assert lab.server_pid() != before and lab.healthy()
+        lab.wait(lambda: not lab.alerts("LlamaServerRunawayGeneration"), "the alert to resolve")
+        lab.wait(lambda: any("`llama-server-runaway-lab` on `server/dioscuri/alpha`" in r
+                             and "✅ **Healed**" in r for r in lab.reports()),
+                 "the healed report")  # fmt: skip
+        assert len(lab.runs()) == 1
+
+
+def test_a_flapping_server_opens_its_breaker_escalates_and_is_not_restarted_in_a_loop(
+    tmp_path: Path, llama_binary: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The fault comes back after every heal: each server alpha gets crashes (SIGKILL; its unit
+    # has no Restart=) once it has answered for 6 s (long enough for LlamaServerDown to resolve
+    # and the heal to be verified, so each crash is a new alert). Heals that do not stick count
+    # as failures; llama-server-unhealthy's breaker opens at 3 (cooldown in lab time: 10 s).
+    # A crash rather than a freeze: a frozen server's drain reads time out (20 s a run).
+    playbooks = {"unhealthy-lab.yaml": lab_playbook("llama-server-unhealthy")}
+    with Lab(tmp_path, llama_binary, tiny_model, monkeypatch, playbooks=playbooks) as lab:
+        done = threading.Event()
+        killed: list[int] = []
+
+        def flap() -> None:
+            healthy_since: dict[int, float] = {}
+            while not done.wait(0.2):
+                pid = lab.stand_in.main_pid(UNIT)
+                if not pid or pid in killed or not lab.healthy():
+                    continue
+                since = healthy_since.setdefault(pid, time.monotonic())
+                if time.monotonic() - since >= 6:
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+                    lab.phase(f"flap: killed pid {pid}")
+
+        thread = threading.Thread(target=flap, name="flapper", daemon=True)
+        thread.start()
+        try:
+            lab.wait(lambda: any(r["decision"] == "breaker_open" for r in lab.runs()),
+                     "the breaker to open", timeout=180)  # fmt: skip
+            lab.phase("the breaker opened")
+            lab.wait(lambda: any("🚨 **Escalation**" in r for r in lab.reports()),
+                     "the escalation")  # fmt: skip
+            lab.sleep(4)  # the alert fires on: no run may act on it any more
+        finally:
+            done.set()
+            thread.join(timeout=10)
+        runs = sorted(lab.runs(), key=lambda r: r["id"])
+        acted = [r for r in runs if r["steps"]]
+        assert [r["outcome"] for r in acted] == ["healed"] * 3, acted
+        restarts = [s for r in runs for s in r["steps"] if s["action"] == "restart_server"]
+        assert len(restarts) == 3, runs
+        opened = next(r for r in runs if r["decision"] == "breaker_open")
+        later = [r for r in runs if r["id"] >= opened["id"]]
+        assert all(not r["steps"] and r["decision"] == "breaker_open" for r in later), later
+        assert lab.alerts("LlamaServerDown")  # still down: left to the people now
+        assert len(killed) == 4 and lab.unit_state()["ActiveState"] == "failed"
+        assert not lab.healthy()
+        escalation = next(r for r in lab.reports() if "🚨 **Escalation**" in r)
+        assert "`llama-server-unhealthy-lab` on `server/dioscuri/alpha`" in escalation
+        assert "3 disruptive runs on server/dioscuri/alpha did not heal" in escalation

@@ -489,6 +489,8 @@ class Engine:
                 self.journal.enqueue_report(topic, text)
             except JournalError as exc:
                 log.warning("cannot queue the report of %s: %s", line, exc)
+        if done:
+            self._reported()  # the sender goes now, not at its next poll
 
     # -- one run ------------------------------------------------------------------------------
 

@@ -44,8 +44,14 @@ SQLITE_BUSY_TIMEOUT_MS = 10_000
 
 # PostgreSQL: a connection attempt, a row lock and a statement each give up in bounded time,
 # so a wedged database turns into a JournalError (and a 5xx Alertmanager retries), not a hang.
+# And a replica stopped in the middle of a transaction (SIGSTOP, a frozen VM) loses it after
+# 5 s idle, before a blocked writer's 10 s lock_timeout: the server ends that session and frees
+# its row and advisory locks, or the other replicas could never take its runs over. None of our
+# transactions waits on anything but the database between its statements.
 _PG_CONNECT_TIMEOUT_S = 10
-_PG_OPTIONS = "-c lock_timeout=10s -c statement_timeout=60s"
+_PG_OPTIONS = (
+    "-c lock_timeout=10s -c statement_timeout=60s -c idle_in_transaction_session_timeout=5s"
+)
 
 # SQLSTATEs after which the whole transaction may simply be run again: serialization_failure
 # and deadlock_detected (PostgreSQL, appendix A "Error codes"). Each transaction's body is

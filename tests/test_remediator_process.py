@@ -345,9 +345,13 @@ def test_a_lost_replicas_run_is_taken_over_and_it_acts_no_more(tmp_path: Path, h
             [run] = replicas[0].runs()
             owner = next(r for r in replicas if run["owner"].endswith(r.setup.config.parent.name))
             other = next(r for r in replicas if r is not owner)
-            # `running` is claimed and judged; the drain is its first step, a moment later.
+            # `running` is claimed and judged; the drain is its first step, a moment later. Lost
+            # in the wait step after it (the drain journaled): what the fence below is about.
             wait_until(lambda: proxy.blocked.get("deploy-1", False), timeout=30,
                        what="the drain to block the deployment")  # fmt: skip
+            wait_until(lambda: any(s["action"] == "drain" and s["result"] == "ok"
+                                   for s in other.runs()[-1]["steps"]),
+                       timeout=30, what="the drain journaled")  # fmt: skip
             assert owner.proc is not None
             owner.proc.send_signal(getattr(signal, how))
             lost = time.monotonic()

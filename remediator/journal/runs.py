@@ -23,6 +23,54 @@ from remediator.journal.records import AlertRecord, ReportLike, RunRecord, StepR
 from remediator.journal.schema import alerts, notifications, runs, steps, undos
 
 _CLAIM_ATTEMPTS = 20
+# The claim's statements, built once (each worker runs them for every run it takes).
+_DUE_CANDIDATE = (
+    sa.select(runs.c.id)
+    .where(
+        runs.c.state == "pending",
+        sa.or_(
+            runs.c.not_before.is_(None),
+            runs.c.not_before <= sa.bindparam("b_now", type_=runs.c.not_before.type),
+        ),
+    )
+    .order_by(runs.c.not_before.is_not(None), runs.c.id)
+    .limit(1)
+    .with_for_update(skip_locked=True)
+)
+# Runs with their alerts, built once: a new select of ~40 labelled columns per read cost more
+# than the read itself (a claim reads its run back; /api/runs reads many).
+_RUNS_WITH_ALERTS = (
+    sa.select(
+        *[c.label(f"r_{c.name}") for c in runs.c],
+        *[c.label(f"a_{c.name}") for c in alerts.c],
+        notifications.c.truncated.label("n_truncated"),
+    )
+    .select_from(
+        runs.join(alerts, runs.c.alert_id == alerts.c.id).outerjoin(
+            notifications, alerts.c.notification_id == notifications.c.id
+        )
+    )
+    .order_by(runs.c.id.desc())
+)
+# A transition: the SET clause is the columns given to execute() (one compiled form per set of
+# columns, cached), the WHERE bound here.
+_TRANSITION = sa.update(runs).where(
+    runs.c.id == sa.bindparam("b_id"), runs.c.state.in_(sa.bindparam("b_states", expanding=True))
+)
+_STEPS_OF = (
+    sa.select(steps)
+    .where(steps.c.run_id.in_(sa.bindparam("b_runs", expanding=True)))
+    .order_by(steps.c.run_id, steps.c.idx)
+)
+_CLAIM = (
+    sa.update(runs)
+    .where(runs.c.id == sa.bindparam("b_id"), runs.c.state == "pending")
+    .values(
+        state="claimed",
+        owner=sa.bindparam("b_owner"),
+        claimed_at=sa.bindparam("b_now", type_=runs.c.claimed_at.type),
+    )
+)
 CANCELLABLE = "pending"
 
 
@@ -39,31 +87,30 @@ class Runs(Outbox, Events):
         transaction (BEGIN IMMEDIATE) already serialises them.
         """
 
-        def body(conn: Connection) -> RunRecord | None:
+        def body(conn: Connection) -> int | None:
             now = self._clock()
             for _ in range(_CLAIM_ATTEMPTS):
-                candidate = conn.execute(
-                    sa.select(runs.c.id)
-                    .where(
-                        runs.c.state == "pending",
-                        sa.or_(runs.c.not_before.is_(None), runs.c.not_before <= now),
-                    )
-                    .order_by(runs.c.not_before.is_not(None), runs.c.id)
-                    .limit(1)
-                    .with_for_update(skip_locked=True)
-                ).scalar_one_or_none()
+                candidate = conn.execute(_DUE_CANDIDATE, {"b_now": now}).scalar_one_or_none()
                 if candidate is None:
                     return None
                 won = conn.execute(
-                    sa.update(runs)
-                    .where(runs.c.id == candidate, runs.c.state == "pending")
-                    .values(state="claimed", owner=self.replica_id, claimed_at=now)
+                    _CLAIM, {"b_id": candidate, "b_owner": self.replica_id, "b_now": now}
                 ).rowcount
                 if won == 1:
-                    return self._select_runs(conn, runs.c.id == candidate)[0]
+                    return int(candidate)
             return None
 
-        return self._tx("claim a run", body)
+        claimed = self._tx("claim a run", body)
+        if claimed is None:
+            return None
+        # Read back after the claim's commit, outside the one writer: a claimed run is this
+        # replica's, and nothing but its owner changes it, so the record cannot be stale, and
+        # the next webhook's admission does not wait behind these reads (bench/webhook.py).
+        return self._tx(
+            "read a claimed run",
+            lambda conn: self._select_runs(conn, runs.c.id == claimed)[0],
+            write=False,
+        )
 
     def claim_run(self, run_id: int) -> RunRecord | None:
         """Claim this pending run; None if it is not pending any more.
@@ -101,11 +148,8 @@ class Runs(Outbox, Events):
         what: str,
     ) -> None:
         """Move a run between states with a conditional UPDATE, or raise RunStateError."""
-        changed = conn.execute(
-            sa.update(runs)
-            .where(runs.c.id == run_id, runs.c.state.in_(from_states))
-            .values(**values)
-        ).rowcount
+        params = {**values, "b_id": run_id, "b_states": list(from_states)}
+        changed = conn.execute(_TRANSITION, params).rowcount
         if changed == 1:
             return
         state = conn.execute(sa.select(runs.c.state).where(runs.c.id == run_id)).scalar()
@@ -322,29 +366,13 @@ class Runs(Outbox, Events):
         self, conn: Connection, where: sa.ColumnElement[bool], limit: int | None = None
     ) -> list[RunRecord]:
         """Runs (newest first) with their alerts and steps: two queries, however many runs."""
-        columns = [c.label(f"r_{c.name}") for c in runs.c]
-        columns += [c.label(f"a_{c.name}") for c in alerts.c]
-        columns.append(notifications.c.truncated.label("n_truncated"))
-        query = (
-            sa.select(*columns)
-            .select_from(
-                runs.join(alerts, runs.c.alert_id == alerts.c.id).outerjoin(
-                    notifications, alerts.c.notification_id == notifications.c.id
-                )
-            )
-            .where(where)
-            .order_by(runs.c.id.desc())
-        )
+        query = _RUNS_WITH_ALERTS.where(where)
         if limit is not None:
             query = query.limit(limit)
         rows = conn.execute(query).mappings().all()
         by_run: dict[int, list[StepRecord]] = defaultdict(list)
         if rows:
-            found = conn.execute(
-                sa.select(steps)
-                .where(steps.c.run_id.in_([row["r_id"] for row in rows]))
-                .order_by(steps.c.run_id, steps.c.idx)
-            ).all()
+            found = conn.execute(_STEPS_OF, {"b_runs": [row["r_id"] for row in rows]}).all()
             for step in found:
                 by_run[step.run_id].append(
                     StepRecord(

@@ -8,16 +8,21 @@ acts on the host through `gpu-fleet-node` (the local executor) and reports to th
 stand-in. Scenarios inject a fault and assert on outcomes — the journal, the processes,
 Prometheus' `ALERTS`, the report's text — never on wall-clock times.
 
-**Lab time**: a minute of production is a second here. Every `for:` of the rules and every
-range selector (`[5m]` → `[5s]`) is divided by 60 (at least 1 s; a range at least 3 s, three
-scrapes), so an alert that needs its condition for 1 minute needs it for 1 s; a rule whose
-range that floor stretched has its `for:` stretched alike (`[1m]` → `[3s]`, `for: 2m` →
-`6s`), so that it still takes the product's number of failed scrapes to fire. Offsets and `[7d]`
-baselines are left as they are (they find no history in a fresh lab, as the rules expect of a
-new server). The runaway rule's token thresholds are divided by 8 (8192 → 1024, 2048 → 256):
-tokens are time at a server's speed, and the tiny model on one thread here slows to well under
-100 tokens a second as its context fills, so 8192 took two minutes. Alertmanager's
-`group_wait` and `group_interval` are 1 s.
+**Lab time**: a minute of production is a second here. Every `for:` of the rules, every range
+selector (`[5m]` → `[5s]`) and every group's `interval:` (the speed's recording group, `1m` →
+`1s`; its hourly one, `1h` → `60s`) is divided by 60 (at least 1 s; a range at least 3 s,
+three scrapes), so an alert that needs its condition for 1 minute needs it for 1 s; a rule
+whose range that floor stretched has its `for:` stretched alike (`[1m]` → `[3s]`, `for: 2m` →
+`6s`), so that it still takes the product's number of failed scrapes to fire. Offsets,
+subqueries (`[1h:5m]`) and `[7d]` baselines are left as they are: a fresh lab has no history,
+as the rules expect of a new server, unless a scenario backfills it (`history=`: OpenMetrics
+that `promtool tsdb create-blocks-from openmetrics` writes into Prometheus' data directory
+before it starts; `tokens_per_second_history` is a 7-day baseline's: the hourly means the
+baseline rule reads, hours old, real history to the real rule). The runaway rule's token
+thresholds are divided by 8 (8192 → 1024, 2048 → 256): tokens are time at a server's speed,
+and the tiny model on one thread here slows to well under 100 tokens a second as its context
+fills, so 8192 took two minutes. Alertmanager's `group_wait` and `group_interval` are 1 s.
+Playbooks in lab time: `lab_playbook` (the one rule for every lab and the bench).
 
     with Lab(tmp_path, llama_binary, tiny_model, monkeypatch) as lab:
         lab.freeze()                         # SIGSTOP the server
@@ -28,10 +33,13 @@ Options for the scenarios: `unit={...}` more of alpha's unit for the systemctl s
 Restart=, RestartSec=, start limit: `SystemctlStandIn.declare_service`; `guard_argv()` and
 `guard_env()` are the port guard as its ExecStartPre=), `llama_args` more flags for alpha,
 `neighbours` more servers on dioscuri (`Neighbour`), `playbooks` more playbook files in the
-remediator's playbooks_dir (`lab_playbook` rewrites a built-in one for lab time). `ghost()`
-starts a stray llama-server on alpha's port, outside its unit: the leftover of an earlier run
-that DESIGN.md's port guard is for; `runaway()` a request that generates without end
-(`CRASH_LOOPING_UNIT` and `RUNAWAY_ARGS` are what those scenarios start alpha with).
+remediator's playbooks_dir (`lab_playbooks` gives built-ins in lab time), `canary_seconds`
+alpha's canary probe (the roster's `canary: {interval_seconds}`, at least 10), `history` the
+TSDB's backfill (above). `ghost()` starts a stray llama-server on alpha's port, outside its
+unit: the leftover of an earlier run that DESIGN.md's port guard is for; `runaway()` a request
+that generates without end (`CRASH_LOOPING_UNIT` and `RUNAWAY_ARGS` are what those scenarios
+start alpha with); `slow()` a SIGSTOP/SIGCONT duty cycle on alpha's process (`Slowdown`),
+`complete()` one request of a user.
 """
 
 from __future__ import annotations
@@ -49,7 +57,7 @@ import subprocess
 import threading
 import time
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -78,9 +86,11 @@ from tests.zulip_stand_in import ZulipStandIn
 REPO = Path(__file__).resolve().parent.parent
 UNIT = "llama-server@alpha.service"
 NODE = REPO / ".venv" / "bin" / "gpu-fleet-node"
-_FOR = re.compile(r"^(\s*for:\s*)(\d+)([smh])\s*$", re.MULTILINE)
+# `for:` and `keep_firing_for:` alike: a rule's minute of bridging is a lab second too.
+_FOR = re.compile(r"^(\s*(?:keep_firing_)?for:\s*)(\d+)([smh])\s*$", re.MULTILINE)
 _RANGE = re.compile(r"\[(\d+)([mh])\]")
 _RULE = re.compile(r"^(?=\s*- (?:alert|record):)", re.MULTILINE)
+_INTERVAL = re.compile(r"^(\s*interval:\s*)(\d+)([smh])\s*$", re.MULTILINE)  # a group's
 # A selector's braces may hold a playbook's `{host}` placeholders: one level of nesting.
 _TOKENS = re.compile(
     r"(gpufleet_llama_slot_decoded_tokens(?:\{(?:[^{}]|\{[^{}]*\})*\})?\s*>\s*)(\d+)"
@@ -121,31 +131,59 @@ def lab_rules(directory: Path) -> list[Path]:
     written = []
     for path in sorted((REPO / "rules").glob("*.rules.yml")):
         text = "".join(_lab_rule(part) for part in _RULE.split(path.read_text()))
+        # A group's own interval (the speed's: once a minute) in lab time too: at `1m` its
+        # ratio would move once a lab hour, and TokensPerSecondDegraded's `for:` of 15 s
+        # would see one evaluation of it.
+        text = _INTERVAL.sub(lambda m: f"{m[1]}{max(1, int(m[2]) * _SECONDS[m[3]] // 60)}s", text)
         target = directory / path.name
         target.write_text(_lab_tokens(text))
         written.append(target)
     return written
 
 
-_COOLDOWN = re.compile(r"^(\s*cooldown_seconds:\s*)(\d+)\s*$", re.MULTILINE)
-_DRAIN_WAIT = re.compile(r"(drain: \{max_wait_seconds: )(\d+)")
 BUILTIN_PLAYBOOKS = REPO / "remediator" / "playbooks" / "builtin"
+# A playbook's waits, which a run sits through in full (a cooldown, the drain's wait for busy
+# slots, a restore's window of normal readings, the verification's re-check interval), and the
+# floor of each in lab time (the power cap's restore action refuses less than 10 s).
+_WAITS = {"cooldown_seconds": 1, "max_wait_seconds": 1, "restore_after_seconds": 10,
+          "interval_seconds": 1}  # fmt: skip
+_WAIT = re.compile(rf"\b({'|'.join(_WAITS)}):(\s*)(\d+)\b")
+_NAME = re.compile(r"^name: .*$", re.MULTILINE)
+LAB_SUFFIX = "-lab"
+
+
+def lab_playbook_name(name: str) -> str:
+    """The name of built-in `name`'s lab copy, in the journal and the reports: `<name>-lab`."""
+    return f"{name}{LAB_SUFFIX}"
 
 
 def lab_playbook(name: str) -> str:
-    """A built-in playbook for lab time, as `<name>-lab`: its cooldown and its drain's wait
-    divided by 60 (at least 1 s).
+    """Built-in playbook `name` in lab time, as `<name>-lab` (the text of its file).
+
+    The one rule of every lab (tests/lab.py, tests/lab_hosts.py) and of bench/time_to_heal.py:
+    each wait a run sits through in full is divided by 60, as the rules' `for:` are —
+    `cooldown_seconds` (a flapping fault would wait 10 minutes between runs), the drain's
+    `max_wait_seconds` (a runaway never ends, so its drain waits all of it), the power cap's
+    `restore_after_seconds` (at least 10, the action's own minimum: 900 → 15) and the
+    verification's `interval_seconds` (at least 1 s each otherwise). Deadlines stay the
+    product's (`within_seconds`, `timeout_seconds`, an action's time limit): they end as soon
+    as their condition holds, so a shorter one gains nothing when the fix works and, on a busy
+    2-core machine, would read a slow restart or a slow cool-down as a failure. The breaker's
+    count and window, the steps and the verification's queries stay the product's too, except
+    the runaway thresholds in tokens, divided by 8 as the rule's are (the module docstring).
 
     playbooks_dir is matched before the built-ins (remediator/playbooks/loader.py), so the
-    copy handles the alert. The cooldown: a flapping fault would otherwise wait 10 minutes
-    between runs; the drain: a runaway request never ends, so its drain waits all its 30 s.
-    The breaker's count and window, the steps and the verification stay the product's.
+    copy handles the alert; `lab_playbooks` gives the files for `Lab(playbooks=...)`.
     """
     text = (BUILTIN_PLAYBOOKS / f"{name}.yaml").read_text()
-    text = re.sub(r"^name: .*$", f"name: {name}-lab", text, count=1, flags=re.MULTILINE)
-    text = _DRAIN_WAIT.sub(lambda m: m[1] + str(max(1, int(m[2]) // 60)), text)
-    text = _lab_tokens(text)  # its verification uses the rule's thresholds
-    return _COOLDOWN.sub(lambda m: m[1] + str(max(1, int(m[2]) // 60)), text)
+    text = _NAME.sub(f"name: {lab_playbook_name(name)}", text, count=1)
+    text = _WAIT.sub(lambda m: f"{m[1]}:{m[2]}{max(_WAITS[m[1]], int(m[3]) // 60)}", text)
+    return _lab_tokens(text)  # its verification uses the rule's thresholds
+
+
+def lab_playbooks(*names: str) -> dict[str, str]:
+    """The lab copies of built-ins `names`, as `Lab(playbooks=...)` takes them (file → text)."""
+    return {f"{lab_playbook_name(name)}.yaml": lab_playbook(name) for name in names}
 
 
 @dataclass(frozen=True)
@@ -214,6 +252,88 @@ class Runaway:
         self.thread.join(timeout)
 
 
+class Slowdown:
+    """A SIGSTOP/SIGCONT duty cycle on one process, in a thread: degraded throughput.
+
+    llama-server's `timings` are wall-clock, so a generation stopped for 80 ms of every 100
+    reports about a fifth of its speed; /health still answers within the cycle (well under the
+    roster's 0.4 s timeout), so nothing but the speed looks wrong. It ends on `stop()`, or by
+    itself once `main_pid()` names another process (or none): the restart replaced the slow
+    one. The process is left running (SIGCONT) whichever way it ends.
+    """
+
+    def __init__(
+        self, pid: int, running: float, period: float, main_pid: Callable[[], int | None]
+    ) -> None:
+        assert 0 < running < 1 and period > 0
+        self.pid = pid
+        self.cycles = 0
+        self._running = running * period
+        self._stopped = period - self._running
+        self._main_pid = main_pid
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._cycle, name=f"slowdown-{pid}", daemon=True)
+        self.thread.start()
+
+    def _cycle(self) -> None:
+        try:
+            while not self._stop.is_set() and self._main_pid() == self.pid:
+                os.kill(self.pid, signal.SIGSTOP)
+                self._stop.wait(self._stopped)
+                os.kill(self.pid, signal.SIGCONT)
+                self.cycles += 1
+                self._stop.wait(self._running)
+        except ProcessLookupError:
+            pass  # it exited: nothing left to slow
+        finally:
+            with contextlib.suppress(OSError):
+                os.kill(self.pid, signal.SIGCONT)
+
+    @property
+    def active(self) -> bool:
+        """The cycle still runs."""
+        return self.thread.is_alive()
+
+    def stop(self) -> None:
+        """End the cycle; the process runs at full speed again."""
+        self._stop.set()
+        self.thread.join(timeout=10)
+
+
+BASELINE_HOURS = 9  # of history before the rule's `offset 1h`: the rule wants at least 6
+
+
+def tokens_per_second_history(
+    tokens_per_second: float, *, labels: Mapping[str, str], now: float | None = None
+) -> str:
+    """OpenMetrics for `backfill`: a speed's hourly means over the `BASELINE_HOURS` before the
+    last hour, so that the real baseline rule reads `tokens_per_second` as the 7-day baseline.
+
+    `server_model:gpufleet_tokens_per_second:avg1h` (what the hourly rule records) once a
+    minute with `labels` (the `current` series': host, server, role, model): the baseline's
+    `count_over_time(...[7d:1h] offset 1h)` finds a sample within each hourly step's lookback,
+    and `avg_over_time(...[7d] offset 1h)` averages them to the value.
+    """
+    end = (time.time() if now is None else now) - 3600 - 120  # behind the rule's offset 1h
+    name = "server_model:gpufleet_tokens_per_second:avg1h"
+    inside = ",".join(f'{key}="{value}"' for key, value in sorted(labels.items()))
+    lines = [f"# TYPE {name} gauge"]
+    for minute in range(BASELINE_HOURS * 60, -1, -1):
+        lines.append(f"{name}{{{inside}}} {tokens_per_second!r} {end - minute * 60:.0f}")
+    return "\n".join([*lines, "# EOF"]) + "\n"
+
+
+def backfill(data: Path, openmetrics: str) -> None:
+    """Write `openmetrics` into the TSDB at `data` (`promtool tsdb create-blocks-from
+    openmetrics`), before the Prometheus using it starts: its blocks are loaded at start."""
+    data.mkdir(parents=True, exist_ok=True)
+    source = data.parent / "history.om"
+    source.write_text(openmetrics)
+    command = ["promtool", "tsdb", "create-blocks-from", "openmetrics", str(source), str(data)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
 def _get(url: str, token: str | None = None) -> Any:
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10) as r:
@@ -279,10 +399,16 @@ class Lab:
         llama_args: Sequence[str] = (),
         neighbours: Sequence[Neighbour] = (),
         playbooks: Mapping[str, str] | None = None,
+        canary_seconds: float | None = None,
+        history: Callable[[Lab], str] | None = None,
     ) -> None:
         """`litellm`: the roster lines of the server's LiteLLM deployment (drains block it);
-        `unit`, `llama_args`, `neighbours`, `playbooks`: see the module docstring."""
+        `unit`, `llama_args`, `neighbours`, `playbooks`, `canary_seconds`: see the module
+        docstring. `history(lab)`, called once alpha is healthy and before the exporter and
+        Prometheus start: OpenMetrics backfilled into Prometheus' TSDB (`# EOF` ended)."""
         self.tmp = tmp_path
+        self.history = history
+        self.slowdowns: list[Slowdown] = []
         self.hosts = hosts
         self.ha = ha
         assert replicas == 1 or journal_url is not None, "replicas share a PostgreSQL journal"
@@ -320,6 +446,7 @@ class Lab:
             "hosts:\n  dioscuri:\n    address: 127.0.0.1\n    local: true\n    servers:\n"
             f"      alpha:\n        engine: llama\n        url: {self.url}\n        unit: {UNIT}\n"
             "        role: gpu-dense\n        model: tiny\n        timeout_seconds: 0.4\n"
+            + (f"        canary: {{interval_seconds: {canary_seconds}}}\n" * bool(canary_seconds))
             + litellm
             + self._neighbours_roster(llama_binary)
             + (hosts.roster_text() if hosts is not None else "")
@@ -401,6 +528,10 @@ class Lab:
         wait_until(lambda: _healthy(self.url), 60, interval=0.2, what="llama-server healthy")
         for name, url in self.neighbour_urls.items():
             wait_until(functools.partial(_healthy, url), 60, interval=0.2, what=f"{name} healthy")
+        if self.history is not None:
+            history = self.history(self)
+            for directory in [self.tmp / "prom"] + ([self.tmp / "prom-b"] if self.ha else []):
+                backfill(directory / "data", history)
         if self.hosts is not None:
             self.hosts.start(self.setup.roster, self.stand_in.env())
         host = load_roster(self.setup.roster).hosts["dioscuri"]
@@ -491,6 +622,8 @@ class Lab:
     def close(self) -> None:
         """Stop everything the lab started, whatever state it is in (each part apart: one that
         fails to stop must not leave the others, a detached llama-server above all, running)."""
+        for slowdown in self.slowdowns:
+            slowdown.stop()
         pid = self.stand_in.main_pid(UNIT)
         if pid:  # a frozen server must be able to stop
             with contextlib.suppress(OSError):
@@ -538,6 +671,24 @@ class Lab:
     def thaw(self, pid: int) -> None:
         """SIGCONT a frozen server: it answers again."""
         os.kill(pid, signal.SIGCONT)
+
+    def slow(self, running: float = 0.2, period: float = 0.1) -> Slowdown:
+        """Slow alpha's process down: stopped (SIGSTOP) for all but `running` of every
+        `period` seconds, from a thread, until `Slowdown.stop()` or until the process is no
+        longer the unit's (a restart ends the slowdown, as it ends a fault of the process)."""
+        slowdown = Slowdown(self.server_pid(), running, period,
+                            lambda: self.stand_in.main_pid(UNIT))  # fmt: skip
+        self.slowdowns.append(slowdown)
+        return slowdown
+
+    def complete(self, n_predict: int = 8) -> dict[str, Any]:
+        """One request of a user on alpha (a short completion); llama-server's answer."""
+        body = json.dumps({"prompt": "hello", "n_predict": n_predict}).encode()
+        request = urllib.request.Request(f"{self.url}/completion", body,
+                                         {"Content-Type": "application/json"})  # fmt: skip
+        with urllib.request.urlopen(request, timeout=60) as answer:
+            result: dict[str, Any] = json.loads(answer.read())
+        return result
 
     def runaway(self) -> Runaway:
         """Start a runaway request on alpha (started with `RUNAWAY_ARGS`); it generates on.

@@ -27,19 +27,16 @@ hosts share one `/proc` and one systemd stand-in with dioscuri.
         hosts.apu.set_tctl(93)
         ...
 
-**Lab time for playbooks**: `lab_playbook(name)` copies a built-in playbook into the lab's
-`playbooks_dir` as `lab-<name>` (playbooks there are matched before the built-ins), its
-waits divided by 60 as the rules' are (`restore_after_seconds: 900` → 15), except the
-verification's window, which stays generous (at least 20 s: it ends as soon as its query
-holds, so the margin costs nothing when the fix works, and keeps a busy 2-core machine from
-reading "not healed").
+**Lab time for playbooks**: `tests.lab.lab_playbook`, the one rule of every lab (its waits
+divided by 60, `restore_after_seconds: 900` → 15; its deadlines the product's), named
+`<name>-lab`: `Lab(..., playbooks=lab_playbooks("gpu-temperature-critical"))`. The
+`lab_playbook(name, directory)` here writes that same copy into a directory.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -50,6 +47,7 @@ from exporter.http import MetricsServer
 from exporter.registry import ExporterSettings, FleetCollector, build_registry
 from exporter.roster import load_roster
 from exporter.sources.nvml_fake import FakeNvml
+from tests.lab import lab_playbooks
 from tests.llama_lab import free_port
 from tests.ssh_lab import SshLab, keygen, node_forced_command
 from tests.sysfs_tree import (
@@ -63,7 +61,6 @@ from tests.sysfs_tree import (
 )
 
 REPO = Path(__file__).resolve().parent.parent
-BUILTIN_PLAYBOOKS = REPO / "remediator" / "playbooks" / "builtin"
 
 NVIDIA_BUSES = ("0000:41:00.0", "0000:c1:00.0")  # gpu 0 and gpu 1 (bus order)
 NVIDIA_SHUTDOWN_CELSIUS = 92  # the scenario's NVML shutdown threshold: the critical value
@@ -310,22 +307,14 @@ class LabHosts:
 
 # -- lab-time playbooks -------------------------------------------------------------------------
 
-_SECONDS_KEY = re.compile(
-    r"\b(restore_after_seconds|within_seconds|interval_seconds|cooldown_seconds):\s*(\d+)"
-)
-_AT_LEAST = {"within_seconds": 20, "restore_after_seconds": 10}  # the action's own minimum: 10
-
 
 def lab_playbook(name: str, directory: Path) -> Path:
-    """Write the built-in playbook `name` for lab time as `lab-<name>` into `directory`."""
-    text = (BUILTIN_PLAYBOOKS / f"{name}.yaml").read_text()
-    text = re.sub(rf"^name: {re.escape(name)}$", f"name: lab-{name}", text, flags=re.MULTILINE)
+    """Write built-in `name` in lab time (`tests.lab.lab_playbook`) into `directory`; its path.
 
-    def shorter(match: re.Match[str]) -> str:
-        key = match[1]
-        return f"{key}: {max(_AT_LEAST.get(key, 1), int(match[2]) // 60)}"
-
-    text = _SECONDS_KEY.sub(shorter, text)
-    target = directory / f"lab-{name}.yaml"
+    The same copy as `Lab(playbooks=lab_playbooks(name))`, named `<name>-lab`: for a caller
+    that holds a lab's playbooks_dir (bench/time_to_heal.py) rather than its options.
+    """
+    ((file_name, text),) = lab_playbooks(name).items()
+    target = directory / file_name
     target.write_text(text)
     return target

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests.lab import CRASH_LOOPING_UNIT, RUNAWAY_ARGS, UNIT, Lab, Neighbour, lab_playbook
+from tests.lab import CRASH_LOOPING_UNIT, RUNAWAY_ARGS, UNIT, Lab, Neighbour, lab_playbooks
 from tests.llama_lab import get_json
 from tests.llama_stand_in import LlamaStandIn
 
@@ -224,7 +224,7 @@ def test_a_runaway_generation_is_drained_restarted_and_reported(
     # A request without a cap that never meets an end-of-sequence (`Lab.runaway`), on a server
     # with room for it to pass the rule's threshold (8192 tokens, 1024 in the lab) and to be
     # still running when the run cuts it.
-    playbooks = {"runaway-lab.yaml": lab_playbook("llama-server-runaway")}
+    playbooks = lab_playbooks("llama-server-runaway")
     with Lab(tmp_path, llama_binary, tiny_model, monkeypatch, llama_args=RUNAWAY_ARGS,
              playbooks=playbooks) as lab:  # fmt: skip
         before = lab.server_pid()
@@ -263,7 +263,7 @@ def test_a_flapping_server_opens_its_breaker_escalates_and_is_not_restarted_in_a
     # and the heal to be verified, so each crash is a new alert). Heals that do not stick count
     # as failures; llama-server-unhealthy's breaker opens at 3 (cooldown in lab time: 10 s).
     # A crash rather than a freeze: a frozen server's drain reads time out (20 s a run).
-    playbooks = {"unhealthy-lab.yaml": lab_playbook("llama-server-unhealthy")}
+    playbooks = lab_playbooks("llama-server-unhealthy")
     with Lab(tmp_path, llama_binary, tiny_model, monkeypatch, playbooks=playbooks) as lab:
         done = threading.Event()
         killed: list[int] = []

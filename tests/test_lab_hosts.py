@@ -16,8 +16,8 @@ from typing import Any
 import psycopg
 import pytest
 
-from tests.lab import Lab
-from tests.lab_hosts import NVIDIA_BUSES, LabHosts, NvidiaHost, lab_playbook
+from tests.lab import Lab, lab_playbooks
+from tests.lab_hosts import NVIDIA_BUSES, LabHosts, NvidiaHost
 from tests.pg import throwaway_database
 
 pytestmark = pytest.mark.lab
@@ -48,9 +48,8 @@ def test_hot_gpu_and_apu_are_capped_one_step_on_the_right_card_then_restored(
 ) -> None:
     hosts = LabHosts(tmp_path / "hosts")
     nvidia, amd, apu = hosts.nvidia, hosts.amd, hosts.apu
-    lab = Lab(tmp_path, llama_binary, tiny_model, monkeypatch, hosts=hosts)
-    for name in ("gpu-temperature-critical", "apu-temperature-critical"):
-        lab_playbook(name, lab.setup.playbooks)
+    playbooks = lab_playbooks("gpu-temperature-critical", "apu-temperature-critical")
+    lab = Lab(tmp_path, llama_binary, tiny_model, monkeypatch, hosts=hosts, playbooks=playbooks)
     hot, calm = NVIDIA_BUSES[1], NVIDIA_BUSES[0]  # gpu 1 (NVML's device 0) and gpu 0
     with lab:
         assert lab.prometheus is not None
@@ -87,10 +86,10 @@ def test_hot_gpu_and_apu_are_capped_one_step_on_the_right_card_then_restored(
         assert nvidia.power_limit_watts(calm) == 700
         assert amd.power_cap_watts() == 303
 
-        for playbook in ("lab-gpu-temperature-critical", "lab-apu-temperature-critical"):
+        for playbook in ("gpu-temperature-critical-lab", "apu-temperature-critical-lab"):
             lab.wait(lambda p=playbook: _done(lab, p), f"the {playbook} run to end")
-        gpu_run = _run_for(lab, "lab-gpu-temperature-critical")
-        apu_run = _run_for(lab, "lab-apu-temperature-critical")
+        gpu_run = _run_for(lab, "gpu-temperature-critical-lab")
+        apu_run = _run_for(lab, "apu-temperature-critical-lab")
         assert gpu_run is not None and apu_run is not None
         lab.phase(f"runs ended: gpu {gpu_run['outcome']}, apu {apu_run['outcome']}")
         assert gpu_run["target"] == "gpu/nvhost/1", gpu_run
@@ -103,7 +102,7 @@ def test_hot_gpu_and_apu_are_capped_one_step_on_the_right_card_then_restored(
         assert f"power cap of gpu 1 ({hot}): 700 W → 630 W" in cap_step["output"]
         # One card, two sensors' alerts: one step down, not one per alert. The other sensor's
         # run waited for the card's lock and found its alert resolved: nothing done.
-        others = [r for r in _runs_of(lab, "lab-gpu-temperature-critical")
+        others = [r for r in _runs_of(lab, "gpu-temperature-critical-lab")
                   if r["id"] != gpu_run["id"]]  # fmt: skip
         assert [(r["decision"], r["steps"]) for r in others] in ([], [("resolved", [])]), others
 
@@ -126,8 +125,8 @@ def test_hot_gpu_and_apu_are_capped_one_step_on_the_right_card_then_restored(
             return next((r for r in lab.reports() if "✅ **Healed**" in r and target in r), None)
 
         for playbook, target in (
-            ("lab-gpu-temperature-critical", "gpu/nvhost/1"),
-            ("lab-apu-temperature-critical", "host/apuhost"),
+            ("gpu-temperature-critical-lab", "gpu/nvhost/1"),
+            ("apu-temperature-critical-lab", "host/apuhost"),
         ):
             lab.wait(lambda t=target: healed_report(t) is not None,
                      f"the healed report of {target}")  # fmt: skip
@@ -171,8 +170,8 @@ def test_ha_prometheus_alertmanager_and_remediator_pairs_deliver_twice_and_run_o
     nvidia = hosts.nvidia
     with throwaway_database() as journal:
         lab = Lab(tmp_path, llama_binary, tiny_model, monkeypatch, hosts=hosts, ha=True,
-                  replicas=2, journal_url=journal)  # fmt: skip
-        lab_playbook("gpu-temperature-critical", lab.setup.playbooks)
+                  replicas=2, journal_url=journal,
+                  playbooks=lab_playbooks("gpu-temperature-critical"))  # fmt: skip
         with lab:
             _ha_scenario(lab, nvidia, journal)
 
@@ -205,7 +204,7 @@ def _ha_scenario(lab: Lab, nvidia: NvidiaHost, journal: str) -> None:
              "the alert delivered three times")  # fmt: skip
     nvidia.set_temperature(hot, 50)
     lab.phase("capped and cooling")
-    lab.wait(lambda: _done(lab, "lab-gpu-temperature-critical"), "the run to end")
+    lab.wait(lambda: _done(lab, "gpu-temperature-critical-lab"), "the run to end")
     lab.wait(lambda: not any(p.query(firing) for p in servers), "the alert to resolve")
     runs = [r for r in lab.runs() if r["alert"]["labels"]["alertname"] == "GpuTemperatureCritical"]
     deliveries = _deliveries(journal, "GpuTemperatureCritical", "nvhost")

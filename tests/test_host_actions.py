@@ -521,6 +521,24 @@ def test_config_of_host_actions_is_checked_with_key_paths(tmp_path: Path) -> Non
     assert any(line.startswith("ssh.known_hosts_file: /nonexistent") for line in lines)
 
 
+def test_drain_of_a_frozen_server_asks_once_and_goes_on(
+    tmp_path: Path, llama_server: StartLlamaServer
+) -> None:
+    # A SIGSTOPped llama-server: the kernel still accepts connections, nothing answers. /props
+    # times out; /slots, served by the same threads, is not asked (it cost the lab's drain a
+    # second timeout), and the drain goes on, saying it cannot see the load.
+    server: LlamaServer = llama_server("-c", "1024", "-np", "1", "-t", "1")
+    target = server_target(server_roster(tmp_path, server.url))
+    server.freeze()
+    try:
+        result = run_action(context(target, ActionSettings()), "drain", DrainParams(), 60)
+    finally:
+        server.thaw()
+    assert result.ok, result.output
+    assert "cannot see the server's load (/props: " in result.output, result.output
+    assert "/slots" not in result.output
+
+
 def test_drain_of_a_sleeping_server_does_not_wake_it(
     tmp_path: Path, llama_server: StartLlamaServer
 ) -> None:

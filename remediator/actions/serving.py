@@ -205,7 +205,13 @@ def busy_slots(ctx: ActionContext, entry: Server) -> tuple[int | None, str]:
         return round(sum(float(v) for v in found)), "vllm:num_requests_running"
     # /slots of a sleeping llama-server waits for it to wake (reloading its model) and resets
     # its idle timer: ask /props first, which answers from cache while it sleeps.
-    props = http_call("GET", f"{entry.url}/props", timeout=_timeout(ctx), bearer=key).json()
+    asked = http_call("GET", f"{entry.url}/props", timeout=_timeout(ctx), bearer=key)
+    if asked.error is not None:
+        # No answer at all (refused, timed out: a frozen server): /slots, served by the same
+        # HTTP threads, cannot answer either, and asking would cost the drain another
+        # timeout per poll (the lab's SIGSTOPped server: 10 s each on /props and /slots).
+        return None, f"/props: {asked.error}"
+    props = asked.json()
     if isinstance(props, dict) and props.get("is_sleeping") is True:
         return 0, "/props: sleeping, nothing in flight (/slots not asked: it would wake it)"
     answer = http_call("GET", f"{entry.url}/slots", timeout=_timeout(ctx), bearer=key)

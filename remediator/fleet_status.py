@@ -99,12 +99,22 @@ class GpuStatus:
 
 
 @dataclass(frozen=True)
+class ModelSpeed:
+    """One served model's generation speed on a router: now and its 7-day baseline (tok/s)."""
+
+    now: float | None = None
+    baseline: float | None = None
+
+
+@dataclass(frozen=True)
 class ServerStatus:
     """One model server: the roster's facts and what Prometheus sees; None is unknown.
 
     `state` is `ok`, `loading`, `error`, `unreachable`, `timeout` (llama-server's `/health`),
     `sleeping`, `router` (its models in `router_models`: name → `loaded`, `sleeping`, …),
-    `up`/`down` (vLLM), or None when nothing is known.
+    `up`/`down` (vLLM), or None when nothing is known. A router's speeds are per served model
+    (`model_speeds`); its own `tokens_per_second` is then None — one number across models
+    would say nothing of any of them.
     """
 
     server: str
@@ -122,6 +132,7 @@ class ServerStatus:
     deferred: int | None = None
     tokens_per_second: float | None = None
     baseline_tokens_per_second: float | None = None
+    model_speeds: dict[str, ModelSpeed] = field(default_factory=dict)
     ghost: bool | None = None
     unit_active: bool | None = None
 
@@ -380,6 +391,18 @@ def _tps(index: _Index, name: str, server: str, model: str | None) -> float | No
     return max(values) if values else None
 
 
+def _model_speeds(index: _Index, server: str) -> dict[str, ModelSpeed]:
+    """A router's speeds by served model (the series' `served_model`); empty for the others."""
+    speeds: dict[str, dict[str, float]] = {}
+    for field_name, name in (("now", TPS_CURRENT), ("baseline", TPS_BASELINE)):
+        for sample in index.all(name, server=server):
+            served = sample.labels.get("served_model", "")
+            if served and math.isfinite(sample.value):
+                mine = speeds.setdefault(served, {})
+                mine[field_name] = max(sample.value, mine.get(field_name, sample.value))
+    return {served: ModelSpeed(**found) for served, found in sorted(speeds.items())}
+
+
 def _server(
     index: _Index,
     name: str,
@@ -398,6 +421,7 @@ def _server(
     role = role or (info[0].labels.get("role") if info else None)
     model = model or (info[0].labels.get("model") if info else None)
     ghosts = [s.value for s in index.all("gpufleet_port_ghost", server=name)]
+    speeds = _model_speeds(index, name)
     unit = index.one("gpufleet_unit_active", server=name)
     common: dict[str, Any] = {
         "server": name,
@@ -405,8 +429,9 @@ def _server(
         "role": role,
         "model": model,
         "in_roster": in_roster,
-        "tokens_per_second": _tps(index, TPS_CURRENT, name, model),
-        "baseline_tokens_per_second": _tps(index, TPS_BASELINE, name, model),
+        "tokens_per_second": None if speeds else _tps(index, TPS_CURRENT, name, model),
+        "baseline_tokens_per_second": None if speeds else _tps(index, TPS_BASELINE, name, model),
+        "model_speeds": speeds,
         "ghost": (max(ghosts) >= 0.5) if ghosts else None,
         "unit_active": _flag(unit),
     }
@@ -818,8 +843,27 @@ def _server_lines(host: HostStatus, paint: _Painter) -> list[str]:
             paint(_fit(_yes(server.ghost), 5), "bad" if server.ghost else None),
         ]
         lines.append("  " + " ".join(cells))
+        lines += _model_lines(server, paint)
     if any(not server.in_roster for server in host.servers):
         lines.append("  (!: served and scraped, but not in the roster)")
+    return lines
+
+
+def _model_lines(server: ServerStatus, paint: _Painter) -> list[str]:
+    """A router's models under its row: each one's state and speed against its baseline."""
+    lines = []
+    for served in sorted(set(server.router_models) | set(server.model_speeds)):
+        speed = server.model_speeds.get(served, ModelSpeed())
+        share = ratio(speed.now, speed.baseline)
+        tone = None if share is None else "bad" if share < 0.5 else "warn" if share < 0.7 else None
+        cells = [
+            _fit("", 10),
+            _fit("· " + served, 33),
+            _fit(server.router_models.get(served, "?"), 12),
+            _fit("", 18),
+            paint(_fit(_pair(speed.now, speed.baseline, 1), 14, right=True), tone),
+        ]
+        lines.append("  " + " ".join(cells).rstrip())
     return lines
 
 

@@ -73,6 +73,10 @@ gpufleet_unit_active{{server="alpha",unit="llama-server@alpha.service"}} 1
 server_model:gpufleet_tokens_per_second:current{{server="alpha",{TINY}}} 41.5
 # TYPE server_model:gpufleet_tokens_per_second:baseline_7d gauge
 server_model:gpufleet_tokens_per_second:baseline_7d{{server="alpha",{TINY}}} 52.25
+server_model:gpufleet_tokens_per_second:current{{server="omni",served_model="qwen"}} 12.5
+server_model:gpufleet_tokens_per_second:baseline_7d{{server="omni",served_model="qwen"}} 30
+server_model:gpufleet_tokens_per_second:current{{server="omni",served_model="gemma"}} 88
+server_model:gpufleet_tokens_per_second:baseline_7d{{server="omni",served_model="gemma"}} 90
 """
 
 
@@ -158,6 +162,11 @@ def test_the_table_fits_100_columns_and_shows_both_sides(lab: Lab) -> None:
     assert "unreachable" in stray
     omni = next(line for line in lines if line.startswith("  omni! "))
     assert "router 1/2" in omni  # a router: loaded of listed models
+    # Its speeds by model, each against its own baseline, under its row (none on the row).
+    assert "12.5/30.0" not in omni and "88.0/90.0" not in omni
+    below = lines[lines.index(omni) + 1 : lines.index(omni) + 3]
+    assert "· gemma" in below[0] and "sleeping" in below[0] and "88.0/90.0" in below[0], below
+    assert "· qwen" in below[1] and "loaded" in below[1] and "12.5/30.0" in below[1], below
     # The remediator's side.
     assert "remediation PAUSED by cli:" in text and ": deploy" in text
     assert "breaker OPEN server/dioscuri/alpha" in text
@@ -195,6 +204,12 @@ def test_json_carries_the_fields_and_unknown_is_null(lab: Lab) -> None:
     assert servers["stray"]["in_roster"] is False and servers["stray"]["model"] == HOSTILE
     assert servers["omni"]["state"] == "router"
     assert servers["omni"]["router_models"] == {"gemma": "sleeping", "qwen": "loaded"}
+    assert servers["omni"]["model_speeds"] == {
+        "gemma": {"now": 88, "baseline": 90},
+        "qwen": {"now": 12.5, "baseline": 30},
+    }
+    assert servers["omni"]["tokens_per_second"] is None  # not one number across its models
+    assert servers["alpha"]["model_speeds"] == {}
     [breaker] = dioscuri["breakers"]
     assert breaker["target"] == "server/dioscuri/alpha" and breaker["playbook"] == "probe-llama"
     assert [c["target"] for c in dioscuri["cooldowns"]] == ["server/dioscuri/alpha"]

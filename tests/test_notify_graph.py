@@ -20,6 +20,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
@@ -38,18 +39,23 @@ from remediator.journal import AlertRecord, RunRecord, StepRecord
 from remediator.notify import graph
 from remediator.notify.graph import (
     HEIGHT,
+    PALETTE,
     WIDTH,
+    ChartSpec,
     Series,
     chart_title,
     distinguishing_labels,
     draw,
+    duration_seconds,
+    fit_window,
     legend_label,
+    scrape_interval_seconds,
     time_ticks,
 )
 from remediator.notify.report import CHART_ANNOTATIONS, Reporter, ReportSettings
 from remediator.notify.units import PLAIN, SUFFIXES, unit_of, unit_of_query
 from tests.golden import GOLDEN_DIR
-from tests.prometheus_lab import PrometheusServer
+from tests.prometheus_lab import MetricsEndpoint, PrometheusServer
 
 REPO = Path(__file__).resolve().parent.parent
 RULES = REPO / "rules" / "gpu-fleet-alerts.rules.yml"
@@ -154,7 +160,8 @@ def openmetrics() -> str:
 def prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrometheusServer]:
     """A real Prometheus whose TSDB holds the incident (backfilled with promtool)."""
     tmp = tmp_path_factory.mktemp("graph")
-    server = PrometheusServer(tmp, [])
+    # Its scrape interval is its data's (a sample every 15 s): the picture's step follows it.
+    server = PrometheusServer(tmp, [], f"{SAMPLE_SECONDS}s")
     source = tmp / "incident.om"
     source.write_text(openmetrics())
     data = server.directory / "data"
@@ -414,6 +421,93 @@ def test_labels_that_would_be_mathtext_are_drawn_as_written(
     ]
     png = graph.render(series, T0.timestamp(), T0.timestamp() + 600, title=r"x$\frac{")
     assert decoded(png).size == (WIDTH, HEIGHT)
+
+
+# -- the window: what there is to see ----------------------------------------------------------
+
+
+def test_the_step_follows_prometheus_scrape_interval(prometheus: PrometheusServer) -> None:
+    assert scrape_interval_seconds(prometheus.url) == SAMPLE_SECONDS
+    assert scrape_interval_seconds("http://127.0.0.1:9", timeout_seconds=1.0) is None
+    assert duration_seconds("1m30s") == 90 and duration_seconds("500ms") == 0.5
+    assert duration_seconds("15") is None and duration_seconds("1x") is None
+    assert duration_seconds("s15s") is None
+
+
+def test_the_window_ends_at_the_drawing_and_starts_where_the_data_does() -> None:
+    chart = ChartSpec.parse(spec_of(temperature_run()))
+    start, end = chart.start.timestamp(), chart.end.timestamp()
+    assert (chart.start, chart.end) == (
+        FIRED - timedelta(minutes=15),
+        FINISHED + timedelta(minutes=5),
+    )
+    # Drawn as the run ends: the five minutes after it are still to come, and left out.
+    at_end = (FINISHED + timedelta(seconds=20)).timestamp()
+    window = fit_window(chart, at_end, SAMPLE_SECONDS)
+    assert (window.start, window.end) == (start, at_end)
+    # Drawn later (a page opened the next day): the whole window, at no finer than 15 s.
+    window = fit_window(chart, end + 86400, SAMPLE_SECONDS)
+    assert (window.start, window.end, window.step) == (start, end, SAMPLE_SECONDS)
+    # Data from 02:58 only (a young Prometheus): the picture begins there, at a finer step
+    # when Prometheus scrapes faster.
+    first = datetime(2026, 11, 30, 2, 58, tzinfo=UTC).timestamp()
+    window = fit_window(chart, end + 86400, 1.0, first_sample=first)
+    assert (window.start, window.end) == (first, end)
+    assert window.step == (end - first) / graph.POINTS
+    # Data from after the alert fired: the incident's start stays in view, with a margin.
+    late = (FIRED + timedelta(minutes=3)).timestamp()
+    window = fit_window(chart, end + 86400, 1.0, first_sample=late)
+    assert window.start == FIRED.timestamp() - (end - FIRED.timestamp()) * 0.05
+    # Data from before the window: it is the spec's.
+    assert fit_window(chart, end + 86400, 1.0, first_sample=start - 60).start == start
+
+
+def _exposition(celsius: float) -> str:
+    return (
+        "# TYPE gpufleet_gpu_temperature_celsius gauge\n"
+        f'gpufleet_gpu_temperature_celsius{{gpu="0",sensor="junction"}} {celsius}\n'
+    )
+
+
+def test_a_young_fast_scraped_incident_fills_the_picture(tmp_path: Path) -> None:
+    # The lab's case, and a new host's: Prometheus scrapes every second and has seconds of
+    # data, the run is drawn as it ends. In the spec's 20-minute frame the incident would be a
+    # sliver at the right end of a blank picture; fitted, it spans most of it.
+    with (
+        MetricsEndpoint(_exposition(50)) as endpoint,
+        PrometheusServer(tmp_path, [endpoint.target], labels={"host": "dioscuri"}) as prometheus,
+    ):
+        query = 'gpufleet_gpu_temperature_celsius{host="dioscuri",sensor="junction"}'
+        prometheus.wait_for(query)
+        time.sleep(4)
+        endpoint.set(_exposition(90))
+        prometheus.wait_for(f"{query} == 90")
+        hot = datetime.now(UTC)
+        time.sleep(5)
+        endpoint.set(_exposition(55))
+        prometheus.wait_for(f"{query} == 55")
+        cooled = datetime.now(UTC)
+        time.sleep(3)
+        spec = {
+            "query": query,
+            "start": (hot - timedelta(minutes=15)).isoformat(),
+            "end": (cooled + timedelta(minutes=5)).isoformat(),
+            "marked": [hot.isoformat(), cooled.isoformat()],
+            "threshold": 87.0,
+            "steps": [{"at": (hot + timedelta(seconds=1)).isoformat(), "label": "2 set_power_cap"}],
+        }
+        assert scrape_interval_seconds(prometheus.url) == 1.0
+        picture = draw(prometheus.url, spec)
+        assert picture is not None
+        assert picture.caption.startswith("50 °C … 90 °C") and "threshold 87 °C" in picture.caption
+        # The incident, 5 s of about 15: a third of the plot, not 0.4 % of a 20-minute one.
+        assert colour_share(picture.png, BAND_RGB, within=8) > 0.1, "the incident is a sliver"
+        # The line runs from the left of the plot to its right, not only at its right end.
+        pixels = np.asarray(decoded(picture.png).convert("RGB"), dtype=np.int16)
+        line = np.abs(pixels - np.array(PALETTE[0], dtype=np.int16)).max(axis=2) <= 30
+        columns = np.flatnonzero(line[: HEIGHT * 3 // 4].any(axis=0))
+        assert columns.min() < WIDTH * 0.2 and columns.max() > WIDTH * 0.9, columns
+    (tmp_path / "young-prometheus.png").write_bytes(picture.png)  # to look at
 
 
 # -- what the picture is made of -------------------------------------------------------------

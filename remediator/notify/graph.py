@@ -22,6 +22,18 @@ The report (`remediator.notify.report`) writes the spec; its keys:
      "threshold": 85.0 | "threshold_query": "...", "threshold_label": "...",
      "steps": [{"at": iso, "label": "2 drain"}]}
 
+The window: the spec's, cut to what there is to see. It ends at the drawing's time when the
+spec's end (the run's end plus five minutes) is still to come — a report is drawn as the run
+ends, and the future has no samples, so the picture would end in a blank strip. It starts at
+the first sample when the data begins later than the spec's start (a Prometheus, a host or a
+series younger than the window), though never after the incident's start, which keeps a
+margin before it. The query's step is a `POINTS`-th of the window, but never finer than
+Prometheus' own `scrape_interval` (`GET /api/v1/status/config`, its `global` section; 15 s,
+the usual one, when it cannot be read): a finer step repeats each sample into stairs. So an
+incident of a minute in a Prometheus scraping every second — the lab — is drawn over the
+minutes there are data for at one point a second, not as four points in a blank 20-minute
+frame; a production incident, with data across its window, is drawn over the whole of it.
+
 Size: `WIDTH` x `HEIGHT` = 800 x 400 px. Zulip shows an uploaded image inline as a preview
 scaled into a box about 150 CSS px high on the web (30 % of the screen's height in the mobile
 app), and full size on a click. At 2:1 the preview is about 300 x 150 CSS px; the text is
@@ -43,10 +55,13 @@ from __future__ import annotations
 import io
 import logging
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
+
+import yaml
 
 from remediator import prometheus_api
 from remediator.notify.units import PLAIN, Unit, metric_names, unit_of_query
@@ -57,7 +72,11 @@ WIDTH, HEIGHT = 800, 400
 DPI = 100
 MAX_SERIES = 6
 POINTS = 240  # samples across the window: one every 3 px at most
-MIN_STEP_SECONDS = 15.0
+MIN_STEP_SECONDS = 15.0  # the step's floor when Prometheus' scrape interval is unknown
+# Prometheus' own default when its config's `global` section sets no scrape_interval.
+DEFAULT_SCRAPE_INTERVAL_SECONDS = 60.0
+# Before an incident whose start the data does not reach back past: this share of the window.
+_LEAD_SHARE = 0.05
 _TITLE_MAX_CHARS = 78  # across the whole picture at FONT_SIZE (DejaVu Sans: ~10 px each)
 # The labels a reader looks for first, in this order; the rest (role, model ...) after them.
 _TITLE_LABELS = ("host", "server", "gpu", "sensor", "chip", "pool", "served_model")
@@ -170,6 +189,52 @@ class ChartSpec:
         )
 
 
+def query_step(start: float, end: float, floor: float = MIN_STEP_SECONDS) -> float:
+    """The range query's step in seconds over unix times `start`..`end`.
+
+    A `POINTS`-th of the window, never finer than `floor` (the scrape interval: a finer step
+    repeats each sample into stairs).
+    """
+    return max(floor, (end - start) / POINTS)
+
+
+_DURATION = re.compile(r"(\d+)(ms|s|m|h|d|w|y)")
+_DURATION_SECONDS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800,
+                     "y": 31536000}  # fmt: skip
+
+
+def duration_seconds(text: str) -> float | None:
+    """A Prometheus duration (`15s`, `1m30s`, `500ms`) in seconds; None when it is not one."""
+    text = text.strip()
+    parts = _DURATION.findall(text)
+    if not parts or "".join(number + unit for number, unit in parts) != text:
+        return None
+    return sum(int(number) * _DURATION_SECONDS[unit] for number, unit in parts)
+
+
+def scrape_interval_seconds(prometheus_url: str, *, timeout_seconds: float = 5.0) -> float | None:
+    """Prometheus' global `scrape_interval` in seconds; None when it cannot be read.
+
+    From its loaded config, `GET /api/v1/status/config`: `{"data": {"yaml": "global: ..."}}`
+    (Prometheus docs "HTTP API", "Config"); 1 m, Prometheus' default, when `global` sets none.
+    A job may scrape at its own interval; the global one is what most series have.
+    """
+    try:
+        data = prometheus_api._api_get(prometheus_url, "status/config", {}, timeout_seconds)
+    except prometheus_api.QueryError as exc:
+        log.info("report picture: Prometheus' scrape interval unknown: %s", exc)
+        return None
+    try:
+        config = yaml.safe_load(str(data.get("yaml", "")))
+    except yaml.YAMLError:
+        return None
+    section = config.get("global") if isinstance(config, dict) else None
+    if not isinstance(section, dict) or "scrape_interval" not in section:
+        return DEFAULT_SCRAPE_INTERVAL_SECONDS if isinstance(config, dict) else None
+    seconds = duration_seconds(str(section["scrape_interval"]))
+    return seconds if seconds is not None and seconds > 0 else None
+
+
 def query_range(
     prometheus_url: str,
     query: str,
@@ -177,10 +242,14 @@ def query_range(
     end: datetime,
     *,
     timeout_seconds: float = 5.0,
+    step: float | None = None,
 ) -> list[Series]:
-    """The series of a range query; raises `GraphError` with the reason."""
-    # Not finer than a usual scrape interval: a finer step repeats each sample into stairs.
-    step = max(MIN_STEP_SECONDS, (end - start).total_seconds() / POINTS)
+    """The series of a range query; raises `GraphError` with the reason.
+
+    `step` (seconds): `query_step` of the window unless given.
+    """
+    if step is None:
+        step = query_step(start.timestamp(), end.timestamp())
     try:
         result = prometheus_api.query_range(
             prometheus_url,
@@ -321,11 +390,13 @@ def render(
     title: str = "",
     width: int = WIDTH,
     height: int = HEIGHT,
+    step: float | None = None,
 ) -> bytes:
     """A line chart of `series` between unix times `start` and `end`, as PNG bytes (RGBA).
 
-    `marked` (unix times) is shaded: the incident, from the alert to the run's end. Raises
-    `ImportError` without matplotlib (the `report` extra).
+    `marked` (unix times) is shaded: the incident, from the alert to the run's end. `step`:
+    the query's (`query_step` of the window unless given). Raises `ImportError` without
+    matplotlib (the `report` extra).
     """
     # Here, not at the top: only a remediator that draws reports needs matplotlib (see above).
     from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: PLC0415
@@ -358,7 +429,7 @@ def render(
     drawn = [one for one in series if one.points][:MAX_SERIES]
     differing = distinguishing_labels(drawn)
     # A missing scrape or two breaks the line (the query step: see `query_range`).
-    gap = max(MIN_STEP_SECONDS, (end - start) / POINTS) * 2.5
+    gap = (step if step is not None else query_step(start, end)) * 2.5
     for index, one in enumerate(drawn):
         color = _hex(PALETTE[index % len(PALETTE)])
         xs: list[float] = []
@@ -410,8 +481,9 @@ def render(
             if first is None:
                 first = unit.shown(line.points[0][1])
         if first is not None:
-            # At the left end: the window opens 15 minutes before the alert, so the steps'
-            # labels are to the right; under the series (zorder), so it never hides them.
+            # At the left end: the window opens before the alert (15 minutes, or a margin
+            # where the data begins later), so the steps' labels are to the right; under the
+            # series (zorder), so it never hides them.
             axes.annotate(
                 plain_text(threshold.label),
                 xy=(0.0, first),
@@ -504,8 +576,44 @@ def _label_text(labels: Mapping[str, str]) -> str:
     return shown or labels.get("__name__", "series")
 
 
+@dataclass(frozen=True)
+class Window:
+    """What a picture shows: unix times `start`..`end`, queried at `step` seconds."""
+
+    start: float
+    end: float
+    step: float
+
+    def datetimes(self) -> tuple[datetime, datetime]:
+        """`start` and `end` as UTC datetimes."""
+        return datetime.fromtimestamp(self.start, UTC), datetime.fromtimestamp(self.end, UTC)
+
+
+def fit_window(
+    chart: ChartSpec,
+    now: float,
+    floor: float,
+    first_sample: float | None = None,
+) -> Window:
+    """The spec's window cut to what there is to see (the module docstring, "The window").
+
+    It ends at `now` when the spec's end is still to come; it starts at `first_sample` (the
+    earliest of the series) when that is later than the spec's start, but before the incident
+    (`marked`) by `_LEAD_SHARE` of the window at least. `floor`: the step's (scrape interval).
+    """
+    start, end = chart.start.timestamp(), chart.end.timestamp()
+    if start < now < end:
+        end = now
+    if first_sample is not None and first_sample > start:
+        begin = first_sample
+        if chart.marked is not None:
+            begin = min(begin, chart.marked[0] - (end - chart.marked[0]) * _LEAD_SHARE)
+        start = max(start, begin)
+    return Window(start, end, query_step(start, end, floor))
+
+
 def _threshold(
-    prometheus_url: str, chart: ChartSpec, unit: Unit, timeout_seconds: float
+    prometheus_url: str, chart: ChartSpec, window: Window, unit: Unit, timeout_seconds: float
 ) -> Threshold | None:
     """The threshold line the spec asks for, or None; a failed query costs only the line."""
     if chart.threshold is not None:
@@ -517,9 +625,9 @@ def _threshold(
         found = query_range(
             prometheus_url,
             chart.threshold_query,
-            chart.start,
-            chart.end,
+            *window.datetimes(),
             timeout_seconds=timeout_seconds,
+            step=window.step,
         )
     except GraphError as exc:
         log.warning("report picture: threshold left out: %s", exc)
@@ -539,37 +647,63 @@ def _threshold(
 
 
 def draw(
-    prometheus_url: str, spec: Mapping[str, Any], *, timeout_seconds: float = 5.0
+    prometheus_url: str,
+    spec: Mapping[str, Any],
+    *,
+    timeout_seconds: float = 5.0,
+    now: datetime | None = None,
 ) -> Picture | None:
-    """The picture a report's `graph` spec asks for, or None (the reason is logged)."""
+    """The picture a report's `graph` spec asks for, or None (the reason is logged).
+
+    `now`: the drawing's time (the clock's unless given), where a window still to come ends.
+    """
     try:
         chart = ChartSpec.parse(spec)
+        if chart.end - chart.start <= timedelta(0):
+            raise ValueError("an empty window")
     except (KeyError, ValueError, TypeError, OverflowError, OSError):
         log.warning("report picture: unusable spec %r", dict(spec))
         return None
+    drawn_at = (now or datetime.now(UTC)).timestamp()
+    floor = scrape_interval_seconds(prometheus_url, timeout_seconds=timeout_seconds)
+    window = fit_window(chart, drawn_at, floor or MIN_STEP_SECONDS)
+
+    def fetch(window: Window) -> list[Series]:
+        found = query_range(prometheus_url, chart.query, *window.datetimes(),
+                            timeout_seconds=timeout_seconds, step=window.step)  # fmt: skip
+        return [one for one in found if one.points]
+
     try:
-        series = query_range(
-            prometheus_url, chart.query, chart.start, chart.end, timeout_seconds=timeout_seconds
-        )
+        series = fetch(window)
+        if series:
+            fitted = fit_window(
+                chart, drawn_at, floor or MIN_STEP_SECONDS,
+                first_sample=min(one.points[0][0] for one in series),
+            )  # fmt: skip
+            # A later start than the step's slack: the data begins inside the window; asked
+            # again over the fitted window, at its finer step.
+            if fitted.start > window.start + window.step:
+                window = fitted
+                series = fetch(window) or series
     except GraphError as exc:
         log.warning("report picture left out: %s", exc)
         return None
-    series = [one for one in series if one.points]
     if not series:
         log.info("report picture left out: %s has no data in the window", chart.query)
         return None
     unit = unit_of_query(chart.query, [one.labels.get("__name__", "") for one in series])
-    threshold = _threshold(prometheus_url, chart, unit, timeout_seconds)
+    threshold = _threshold(prometheus_url, chart, window, unit, timeout_seconds)
     try:
         png = render(
             series,
-            chart.start.timestamp(),
-            chart.end.timestamp(),
+            window.start,
+            window.end,
             marked=chart.marked,
             unit=unit,
             threshold=threshold,
             steps=chart.steps,
             title=chart_title(chart.query, series),
+            step=window.step,
         )
     except ImportError as exc:
         log.warning(

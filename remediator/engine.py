@@ -791,6 +791,13 @@ class Engine:
                     effects.resolved = f"the alert resolved before step {index} ({detail})"
                     self._skip_rest(run, playbook, target, index - 1, "the alert resolved")
                     return None
+                # That question may take Prometheus' timeout (5 s; a hung one holds it that
+                # long): a replica paused in it (SIGSTOP, a frozen VM) can wake to a run another
+                # replica took over and undid meanwhile. So the fence again, right before the
+                # act: a drain now would never be undone, a restart would act twice as a run.
+                if not self.journal.owns(run.id):
+                    effects.fenced = f"another replica took run {run.id} over before step {index}"
+                    return None
             begun = self._clock()
             timeout = min(step.timeout_seconds, max(0.0, deadline - time.monotonic()))
             context = ActionContext(

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import random
 import re
 import signal
@@ -49,8 +50,9 @@ import yaml
 
 from tests.llama_lab import free_port, wait_until
 from tests.pg import throwaway_database
+from tests.prometheus_lab import PrometheusServer
 from tests.reliability.figures import Figures, sized
-from tests.reliability.harness import CountingServers
+from tests.reliability.harness import CountingServers, dumps, notification, post
 from tests.reliability.test_crash_consistency import MASTER_KEY, _roster, _rows
 from tests.remediator_lab import drop_test_playbooks, write_setup
 from tests.test_host_actions import LiteLlmStandIn
@@ -258,7 +260,7 @@ class _Journal:
 
 def _replicas(
     tmp_path: Path, url: str, *, model: CountingServers, proxy: LiteLlmStandIn, zuliprc: Path,
-    count: int, hourly: int,
+    count: int, hourly: int, prometheus_url: str = "http://127.0.0.1:9",
 ) -> list[Replica]:  # fmt: skip
     restart_urls = ", ".join(f"{u}/restart" for u in model.urls().values())
     replicas = []
@@ -271,6 +273,7 @@ def _replicas(
             servers={},
             journal_url=url,
             listen=f"127.0.0.1:{port}",
+            prometheus_url=prometheus_url,
             extra=zulip_config(zuliprc)
             + f"http_request: {{allowed_urls: [{restart_urls}]}}\n"
             + f"replica_id: ha-{name}\nlock_ttl_seconds: {LOCK_TTL}\nworkers: 3\n"
@@ -506,3 +509,101 @@ def _settled(journal: _Journal, url: str, count: int) -> bool:
                for r in runs):  # fmt: skip
         return False
     return not _rows(url, "SELECT id FROM outbox WHERE state != 'sent'")
+
+
+def _connected_to(pid: int, port: int) -> bool:
+    """Whether process `pid` holds an established TCP connection to 127.0.0.1:`port`."""
+    try:
+        inodes = {
+            os.readlink(fd)[len("socket:[") : -1]
+            for fd in Path(f"/proc/{pid}/fd").iterdir()
+            if os.readlink(fd).startswith("socket:[")
+        }
+        table = Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]
+    except OSError:  # an fd closed while listed
+        return False
+    for line in table:
+        fields = line.split()
+        remote, state, inode = fields[2], fields[3], fields[9]
+        if state == "01" and int(remote.split(":")[1], 16) == port and inode in inodes:
+            return True
+    return False
+
+
+def test_a_replica_stopped_between_its_fence_check_and_its_action_acts_no_more(
+    tmp_path: Path, figures: Figures
+) -> None:
+    # The worst moment to lose a replica: after its fence check passed for a step that changes
+    # something, before the step acts. A Prometheus that hangs (the real one, SIGSTOPped before
+    # anything asked it: no rule names cached) holds each replica in its before-the-step
+    # "does the alert still fire?" question for its 5 s timeout; the replica is SIGSTOPped
+    # there, the other takes the run over, and once resumed it must not drain the server now:
+    # nobody would ever undo that block (the taker already ran the run's undos).
+    model = _Restarts(["s0"], RESTART_SECONDS)
+    proxy = LiteLlmStandIn(MASTER_KEY, ["deploy-0"])
+    prometheus = PrometheusServer(tmp_path / "prometheus", [])
+    with ZulipStandIn() as zulip, throwaway_database() as url, prometheus:
+        prometheus_pid = _pid(prometheus)
+        os.kill(prometheus_pid, signal.SIGSTOP)
+        journal = _Journal(url)
+        replicas = _replicas(tmp_path, url, model=model, proxy=proxy,
+                             zuliprc=zulip.write_zuliprc(tmp_path / "zuliprc"), count=1,
+                             hourly=10, prometheus_url=prometheus.url)  # fmt: skip
+        by_id = {f"ha-{r.setup.config.parent.name}": r for r in replicas}
+        try:
+            with _running([], replicas):
+                body = dumps(notification("s0", "f" * 16))
+                for replica in replicas:  # both Alertmanagers deliver to both replicas
+                    assert post(replica.port, replica.setup.webhook_token, body) == 200
+                found: list[dict[str, Any]] = []
+
+                def in_the_question() -> bool:
+                    run = journal.running_on("s0")
+                    if run is None or run["owner"] not in by_id:
+                        return False
+                    owner = by_id[run["owner"]]
+                    steps = _rows(url, f"SELECT idx FROM steps WHERE run_id = {int(run['id'])}")
+                    assert owner.proc is not None
+                    if steps or not _connected_to(owner.proc.pid, prometheus.port):
+                        return False
+                    found.append(run)
+                    return True
+
+                # Claimed, judged (its own 5 s question first), started: then step 0's question.
+                wait_until(in_the_question, timeout=60, interval=0.05,
+                           what="the run's owner asking Prometheus before its drain")  # fmt: skip
+                run = found[-1]
+                lost = by_id[run["owner"]]
+                assert lost.proc is not None
+                lost.proc.send_signal(signal.SIGSTOP)
+                try:
+                    wait_until(lambda: journal.run(run["id"])["state"] == "done",
+                               timeout=LOCK_TTL + 30, what="the run taken over")  # fmt: skip
+                    taker = journal.run(run["id"])["owner"]
+                finally:
+                    lost.proc.send_signal(signal.SIGCONT)
+                # Its question times out (Prometheus is still frozen): the journal says the
+                # alert fires. Then it either stands down or drains.
+                wait_until(lambda: "acting on it no more" in lost.tail()
+                           or bool(proxy.calls), timeout=30,
+                           what="the resumed replica to stand down or act")  # fmt: skip
+                time.sleep(1)  # a block just sent: let the stand-in record it
+        finally:
+            os.kill(prometheus_pid, signal.SIGCONT)
+            model.close()
+            proxy.close()
+    blocks = [c for c in proxy.calls if c[0] == "/model/block"]
+    figures.add(SUITE, "SIGSTOPs between the fence check and the action", 1)
+    figures.zero(SUITE, "actions after the run was taken over", len(blocks)
+                 + model.count("s0", "/restart"))  # fmt: skip
+    figures.zero(SUITE, "undos missing (left out of LiteLLM)", int(proxy.blocked["deploy-0"]))
+    assert taker != run["owner"], taker
+    assert blocks == [] and model.count("s0", "/restart") == 0, proxy.calls
+    assert not proxy.blocked["deploy-0"]
+
+
+def _pid(prometheus: PrometheusServer) -> int:
+    """The Prometheus process's pid (tests/prometheus_lab.py keeps its process to itself)."""
+    process = prometheus._process
+    assert process is not None, "not started"
+    return process.pid

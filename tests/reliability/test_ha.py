@@ -22,10 +22,19 @@ Afterwards, for every alert: one occurrence, and at most one run that acted, own
 the replicas; no restart or block twice; every interrupted run reported, every drain undone
 (nothing left out of LiteLLM's routing); never more restarts in flight at the servers than
 `max_concurrent_runs`, never more disruptive runs than `max_runs_per_hour` (the last alerts
-meet that cap and wait). The test's own alerts are the fault: no Prometheus evaluates
-LlamaServerDown here, so the journal's state decides whether an alert still fires
-(remediator/firing.py); the Prometheus pair's part, two copies becoming one alert, is the lab's
-scenario 7 (tests/test_lab_hosts.py).
+meet that cap and wait); and once a lost run was interrupted and undone, nothing acts on its
+server again.
+
+A second test loses a replica at the worst moment: its fence check passed for a step that
+changes something, and it is asking Prometheus whether the alert still fires (a real
+Prometheus, SIGSTOPped: the question hangs for its 5 s timeout). Taken over meanwhile, the
+resumed replica must stand down, not drain a server whose undos the taker already ran.
+
+In the first test the alerts are the fault: no Prometheus evaluates LlamaServerDown there, so
+the journal's state decides whether an alert still fires (remediator/firing.py); the Prometheus
+pair's part, two copies becoming one alert, is the lab's scenario 7 (tests/test_lab_hosts.py).
+Alerts on counting servers rather than real faults on llama-servers: a round then takes seconds
+(the lost replica's TTL), not the half-minute of a real fault, so the short size has three.
 """
 
 from __future__ import annotations
@@ -65,8 +74,8 @@ pytestmark = pytest.mark.reliability
 
 SUITE = "5 HA"
 LOCK_TTL = 10  # seconds: the config's minimum; a lost replica's runs are taken over 10-15 s on
-CONCURRENT = 2  # max_concurrent_runs: three alerts a round, so runs wait for a place
-PER_ROUND = 3
+CONCURRENT = 2  # max_concurrent_runs: four alerts a round, so runs wait for a place
+PER_ROUND = 4
 BEYOND_HOURLY_CAP = 2  # alerts posted after max_runs_per_hour is spent: they must wait
 RESTART_SECONDS = 1.0  # how long a /restart takes to answer: restarts in flight, countable
 MOMENTS = ("drained", "restarting", "restarted")
@@ -227,6 +236,7 @@ class _Loss:
     run_id: int
     lost: str  # the replica id lost
     finished_by: str = ""
+    acts: tuple[int, int] = (0, 0)  # restarts and blocks of its server once the run had ended
 
 
 class _Journal:
@@ -375,6 +385,9 @@ def test_a_replica_killed_or_stopped_mid_run_loses_nothing_and_nothing_runs_twic
     )
     delivered_twice = [i for i, n in markers.items() if n > 1]
     lost_runs = [loss for loss in losses if _outcome(runs, loss.run_id) != "interrupted"]
+    # Once a lost run was interrupted and undone, nothing acts on its server again: not the
+    # resumed replica (the fence), not the restarted one, not the run judged again (cooldown).
+    acted_after = [loss for loss in losses if _acts(loss.server, model, proxy) != loss.acts]
     disruptive = [r for r in acted if r["disruptive"]]
 
     figures.add(SUITE, "alerts (each twice, to both Alertmanagers)", count)
@@ -405,6 +418,7 @@ def test_a_replica_killed_or_stopped_mid_run_loses_nothing_and_nothing_runs_twic
     figures.zero(SUITE, "alerts handled twice (occurrences or acting runs)", len(handled_twice))
     figures.zero(SUITE, "alerts unhandled", len(unhandled))
     figures.zero(SUITE, "lost runs not interrupted", len(lost_runs))
+    figures.zero(SUITE, "actions after the run was taken over", len(acted_after))
     figures.zero(SUITE, "runs acted by neither replica", len(strangers))
     figures.zero(SUITE, "undos missing (left out of LiteLLM)", len(left_blocked))
     figures.zero(SUITE, "interrupted runs not reported", len(unreported))
@@ -414,7 +428,7 @@ def test_a_replica_killed_or_stopped_mid_run_loses_nothing_and_nothing_runs_twic
                  max(0, len(disruptive) - hourly, sum(restarts.values()) - hourly))  # fmt: skip
     assert twice == [] and handled_twice == [], (twice, handled_twice)
     assert unhandled == [] and strangers == [], (unhandled, strangers)
-    assert lost_runs == [], lost_runs
+    assert lost_runs == [] and acted_after == [], (lost_runs, acted_after)
     assert left_blocked == [] and unreported == [], (left_blocked, unreported)
     assert delivered_twice == []
     assert model.most <= CONCURRENT and len(disruptive) <= hourly
@@ -483,6 +497,7 @@ def _lose(
         lost.proc.send_signal(signal.SIGSTOP)
         try:  # the TTL, a heartbeat, the undo, slack
             wait_until(finished, timeout=LOCK_TTL + 30, what=f"run {loss.run_id} taken over")
+            loss.acts = _acts(server, model, proxy)  # before it wakes
         finally:
             lost.proc.send_signal(signal.SIGCONT)
         # Woken, it must act on its lost run no more: its wait step ends, then the fence (or,
@@ -493,10 +508,23 @@ def _lose(
         lost.kill()
         if how == "kill-takeover":
             wait_until(finished, timeout=LOCK_TTL + 30, what=f"run {loss.run_id} taken over")
-        lost.start()
-        wait_until(finished, timeout=60, what=f"run {loss.run_id} interrupted, undone")
+            loss.acts = _acts(server, model, proxy)  # before it is started again
+            lost.start()
+        else:
+            # Dead; a restart it sent may still be answering (it is counted as it ends).
+            wait_until(lambda: not model.restarting(server), timeout=10, what="the restart")
+            loss.acts = _acts(server, model, proxy)  # what the restarted one must not add to
+            lost.start()
+            wait_until(finished, timeout=60, what=f"run {loss.run_id} interrupted, undone")
     loss.finished_by = str(journal.run(loss.run_id)["owner"])
     return loss
+
+
+def _acts(server: str, model: CountingServers, proxy: LiteLlmStandIn) -> tuple[int, int]:
+    """The restarts `server` got and the blocks its deployment got, so far."""
+    deployment = f"deploy-{server[1:]}"
+    blocks = sum(1 for path, m in list(proxy.calls) if path == "/model/block" and m == deployment)
+    return model.count(server, "/restart"), blocks
 
 
 def _settled(journal: _Journal, url: str, count: int) -> bool:
@@ -587,7 +615,6 @@ def test_a_replica_stopped_between_its_fence_check_and_its_action_acts_no_more(
                 wait_until(lambda: "acting on it no more" in lost.tail()
                            or bool(proxy.calls), timeout=30,
                            what="the resumed replica to stand down or act")  # fmt: skip
-                time.sleep(1)  # a block just sent: let the stand-in record it
         finally:
             os.kill(prometheus_pid, signal.SIGCONT)
             model.close()

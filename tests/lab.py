@@ -33,13 +33,13 @@ Options for the scenarios: `unit={...}` more of alpha's unit for the systemctl s
 Restart=, RestartSec=, start limit: `SystemctlStandIn.declare_service`; `guard_argv()` and
 `guard_env()` are the port guard as its ExecStartPre=), `llama_args` more flags for alpha,
 `neighbours` more servers on dioscuri (`Neighbour`), `playbooks` more playbook files in the
-remediator's playbooks_dir (`lab_playbooks` gives built-ins in lab time), `canary_seconds`
-alpha's canary probe (the roster's `canary: {interval_seconds}`, at least 10), `history` the
-TSDB's backfill (above). `ghost()` starts a stray llama-server on alpha's port, outside its
-unit: the leftover of an earlier run that DESIGN.md's port guard is for; `runaway()` a request
-that generates without end (`CRASH_LOOPING_UNIT` and `RUNAWAY_ARGS` are what those scenarios
-start alpha with); `slow()` a SIGSTOP/SIGCONT duty cycle on alpha's process (`Slowdown`),
-`complete()` one request of a user.
+remediator's playbooks_dir (`lab_playbooks` gives built-ins in lab time), `canary` alpha's
+canary probe (the roster's `canary:` keys: `interval_seconds`, at least 10, `max_tokens`),
+`history` the TSDB's backfill (above). `ghost()` starts a stray llama-server on alpha's port,
+outside its unit: the leftover of an earlier run that DESIGN.md's port guard is for;
+`runaway()` a request that generates without end (`CRASH_LOOPING_UNIT` and `RUNAWAY_ARGS`
+are what those scenarios start alpha with); `slow()` a SIGSTOP/SIGCONT duty cycle on alpha's
+process (`Slowdown`), `complete()` one request of a user.
 """
 
 from __future__ import annotations
@@ -255,11 +255,11 @@ class Runaway:
 class Slowdown:
     """A SIGSTOP/SIGCONT duty cycle on one process, in a thread: degraded throughput.
 
-    llama-server's `timings` are wall-clock, so a generation stopped for 80 ms of every 100
-    reports about a fifth of its speed; /health still answers within the cycle (well under the
-    roster's 0.4 s timeout), so nothing but the speed looks wrong. It ends on `stop()`, or by
-    itself once `main_pid()` names another process (or none): the restart replaced the slow
-    one. The process is left running (SIGCONT) whichever way it ends.
+    llama-server's `timings` are wall-clock, so a generation stopped for 180 ms of every 200
+    (`Lab.slow()`'s) reports about a tenth of its speed; /health still answers within the
+    cycle (under the roster's 0.4 s timeout), so nothing but the speed looks wrong. It ends on
+    `stop()`, or by itself once `main_pid()` names another process (or none): the restart
+    replaced the slow one. The process is left running (SIGCONT) whichever way it ends.
     """
 
     def __init__(
@@ -399,11 +399,11 @@ class Lab:
         llama_args: Sequence[str] = (),
         neighbours: Sequence[Neighbour] = (),
         playbooks: Mapping[str, str] | None = None,
-        canary_seconds: float | None = None,
+        canary: Mapping[str, float] | None = None,
         history: Callable[[Lab], str] | None = None,
     ) -> None:
         """`litellm`: the roster lines of the server's LiteLLM deployment (drains block it);
-        `unit`, `llama_args`, `neighbours`, `playbooks`, `canary_seconds`: see the module
+        `unit`, `llama_args`, `neighbours`, `playbooks`, `canary`: see the module
         docstring. `history(lab)`, called once alpha is healthy and before the exporter and
         Prometheus start: OpenMetrics backfilled into Prometheus' TSDB (`# EOF` ended)."""
         self.tmp = tmp_path
@@ -446,7 +446,7 @@ class Lab:
             "hosts:\n  dioscuri:\n    address: 127.0.0.1\n    local: true\n    servers:\n"
             f"      alpha:\n        engine: llama\n        url: {self.url}\n        unit: {UNIT}\n"
             "        role: gpu-dense\n        model: tiny\n        timeout_seconds: 0.4\n"
-            + (f"        canary: {{interval_seconds: {canary_seconds}}}\n" * bool(canary_seconds))
+            + (f"        canary: {json.dumps(dict(canary))}\n" if canary is not None else "")
             + litellm
             + self._neighbours_roster(llama_binary)
             + (hosts.roster_text() if hosts is not None else "")
@@ -528,10 +528,8 @@ class Lab:
         wait_until(lambda: _healthy(self.url), 60, interval=0.2, what="llama-server healthy")
         for name, url in self.neighbour_urls.items():
             wait_until(functools.partial(_healthy, url), 60, interval=0.2, what=f"{name} healthy")
-        if self.history is not None:
-            history = self.history(self)
-            for directory in [self.tmp / "prom"] + ([self.tmp / "prom-b"] if self.ha else []):
-                backfill(directory / "data", history)
+        # Measured now, before the exporter's canary and the rest of the lab share the CPU.
+        history = self.history(self) if self.history is not None else None
         if self.hosts is not None:
             self.hosts.start(self.setup.roster, self.stand_in.env())
         host = load_roster(self.setup.roster).hosts["dioscuri"]
@@ -575,14 +573,20 @@ class Lab:
             rule_files=lab_rules(self.tmp / "rules"),
             extra={"alerting": alerting, "scrape_configs": scrape},
             external_labels={"replica": "a"} if self.ha else None,
-        ).start()  # fmt: skip
+        )  # fmt: skip
+        if history is not None:
+            backfill(self.prometheus.directory / "data", history)
+        self.prometheus.start()
         if self.ha:
             self.prometheus_b = PrometheusServer(
                 self.tmp / "prom-b", list(exporters.values()), labels={"host": "dioscuri"},
                 rule_files=lab_rules(self.tmp / "rules-b"),
                 extra={"alerting": alerting, "scrape_configs": scrape},
                 external_labels={"replica": "b"},
-            ).start()  # fmt: skip
+            )  # fmt: skip
+            if history is not None:
+                backfill(self.prometheus_b.directory / "data", history)
+            self.prometheus_b.start()
         self.prometheus.wait_for('gpufleet_llama_up{server="alpha"} == 1', timeout=30)
         config = self.setup.config.read_text().replace(
             "prometheus_url: http://127.0.0.1:9", f"prometheus_url: {self.prometheus.url}"
@@ -672,7 +676,7 @@ class Lab:
         """SIGCONT a frozen server: it answers again."""
         os.kill(pid, signal.SIGCONT)
 
-    def slow(self, running: float = 0.2, period: float = 0.1) -> Slowdown:
+    def slow(self, running: float = 0.1, period: float = 0.2) -> Slowdown:
         """Slow alpha's process down: stopped (SIGSTOP) for all but `running` of every
         `period` seconds, from a thread, until `Slowdown.stop()` or until the process is no
         longer the unit's (a restart ends the slowdown, as it ends a fault of the process)."""

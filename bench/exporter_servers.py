@@ -51,7 +51,6 @@ import sys
 import tempfile
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,6 +60,8 @@ sys.path.insert(0, str(ROOT))
 from tests.llama_lab import free_port  # noqa: E402
 from tests.reliability.soak import (  # noqa: E402 - the six, shared with the soak test
     HEALTHY,
+    CpuTimes,
+    cpu_times,
     six_servers_roster,
     start_six_servers,
 )
@@ -80,30 +81,6 @@ def scrape(port: int) -> tuple[float, str]:
     finally:
         conn.close()
     return time.perf_counter() - start, body
-
-
-@dataclass(frozen=True)
-class CpuTimes:
-    """A process's CPU time and run-queue wait (all its threads), in seconds."""
-
-    cpu: float
-    waited: float
-
-    def __sub__(self, other: CpuTimes) -> CpuTimes:
-        return CpuTimes(self.cpu - other.cpu, self.waited - other.waited)
-
-
-def cpu_times(pid: int) -> CpuTimes:
-    """From /proc/PID/task/*/schedstat: ns on a CPU, ns waiting on a run queue (per thread)."""
-    cpu = waited = 0
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            on_cpu, on_queue, _ = task.joinpath("schedstat").read_text().split()
-        except (OSError, ValueError):
-            continue  # a thread that ended between the listing and the read
-        cpu += int(on_cpu)
-        waited += int(on_queue)
-    return CpuTimes(cpu / 1e9, waited / 1e9)
 
 
 def collector_seconds(body: str, collector: str) -> float | None:

@@ -9,7 +9,7 @@ one answering 500 to everything. The llama-servers are the pinned real build on 
 model; the trickling and failing ones are `tests/llama_stand_in.py` (the real one cannot do
 that on demand).
 
-The scraper (`python -m tests.reliability.soak scrape PORT SECONDS NAME...`) is a process of
+The scraper (`python -m tests.reliability.soak scrape PORT PID SECONDS NAME...`) is a process of
 its own so that the scrape times it measures are the exporter's, not the wait of a thread for
 the GIL of a test process whose other threads post a storm: one JSON line per scrape.
 
@@ -148,7 +148,7 @@ def sample(pid: int) -> ProcessSample:
 
 
 class Sampler:
-    """Samples processes every `interval` seconds on a thread of its own, by name."""
+    """Samples processes every `interval` seconds (a fixed cadence) on a thread of its own."""
 
     def __init__(self, pids: dict[str, int], interval: float) -> None:
         self.samples: dict[str, list[ProcessSample]] = {name: [] for name in pids}
@@ -158,12 +158,15 @@ class Sampler:
         self._thread = threading.Thread(target=self._run, name="sampler", daemon=True)
 
     def _run(self) -> None:
+        start = time.monotonic()
+        number = 0
         while True:
             for name, pid in self._pids.items():
                 # The process ended (the test's own checks say so) or a read raced its exit.
                 with contextlib.suppress(OSError, ValueError):
                     self.samples[name].append(sample(pid))
-            if self._stop.wait(self._interval):
+            number += 1
+            if self._stop.wait(max(0.0, start + number * self._interval - time.monotonic())):
                 return
 
     def __enter__(self) -> Sampler:
@@ -180,8 +183,11 @@ class Drift:
     """How a process's RSS, threads and fds moved after its warm-up.
 
     `rss_base_kib` is the median RSS of the samples in the `span` seconds right after the
-    warm-up, `rss_end_kib` the median of the last `span` seconds; threads and fds compare the
-    most seen after the warm-up with the most seen in that first span.
+    warm-up, `rss_end_kib` the median of the last `span` seconds. Threads: the most seen after
+    the warm-up against the most seen in that first span (pools start threads and keep them).
+    Fds: the fewest seen in the last span against the fewest in the first — a leak raises the
+    floor, while the sockets of calls in flight come and go with each scrape or burst (the
+    most seen is kept too, for the table).
     """
 
     rss_first_kib: int
@@ -189,7 +195,8 @@ class Drift:
     rss_end_kib: float
     threads_base: int
     threads_max: int
-    fds_base: int
+    fds_floor_base: int
+    fds_floor_end: int
     fds_max: int
 
     @property
@@ -210,9 +217,34 @@ def drift(samples: list[ProcessSample], start: float, warmup: float, span: float
         rss_end_kib=statistics.median(s.rss_kib for s in end),
         threads_base=max(s.threads for s in base),
         threads_max=max(s.threads for s in after),
-        fds_base=max(s.fds for s in base),
+        fds_floor_base=min(s.fds for s in base),
+        fds_floor_end=min(s.fds for s in end),
         fds_max=max(s.fds for s in after),
     )
+
+
+@dataclass(frozen=True)
+class CpuTimes:
+    """A process's CPU time and run-queue wait (all its threads), in seconds."""
+
+    cpu: float
+    waited: float
+
+    def __sub__(self, other: CpuTimes) -> CpuTimes:
+        return CpuTimes(self.cpu - other.cpu, self.waited - other.waited)
+
+
+def cpu_times(pid: int) -> CpuTimes:
+    """From /proc/PID/task/*/schedstat: ns on a CPU, ns waiting on a run queue (per thread)."""
+    cpu = waited = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            on_cpu, on_queue, _ = task.joinpath("schedstat").read_text().split()
+        except (OSError, ValueError):
+            continue  # a thread that ended between the listing and the read
+        cpu += int(on_cpu)
+        waited += int(on_queue)
+    return CpuTimes(cpu / 1e9, waited / 1e9)
 
 
 # -- the scraper, a process of its own ----------------------------------------------------------
@@ -228,13 +260,16 @@ class Scrape:
     status: int
     healthy_up: int
     error: str
+    cpu: float  # the exporter's CPU seconds during the scrape (all its threads)
+    waited: float  # its threads' seconds waiting for a CPU meanwhile (run queue)
 
 
-def scrape_every_second(port: int, seconds: float, healthy: list[str]) -> None:
-    """Scrape `/metrics` once a second for `seconds`; a JSON line per scrape on stdout."""
+def scrape_every_second(port: int, pid: int, seconds: float, healthy: list[str]) -> None:
+    """Scrape `/metrics` of exporter `pid` once a second for `seconds`; a JSON line each."""
     start = time.monotonic()
     number = 0
     while time.monotonic() < start + seconds:
+        before = cpu_times(pid)
         began = time.monotonic()
         status, up, error = 0, 0, ""
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
@@ -249,7 +284,8 @@ def scrape_every_second(port: int, seconds: float, healthy: list[str]) -> None:
         finally:
             conn.close()
         elapsed = time.monotonic() - began
-        print(json.dumps([began, elapsed, status, up, error]), flush=True)
+        used = cpu_times(pid) - before
+        print(json.dumps([began, elapsed, status, up, error, used.cpu, used.waited]), flush=True)
         number += 1
         # On the second's cadence: a slow scrape is followed at once, not a second later.
         time.sleep(max(0.0, start + number - time.monotonic()))
@@ -261,6 +297,6 @@ def parse_scrapes(text: str) -> list[Scrape]:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 4 or sys.argv[1] != "scrape":
-        sys.exit("usage: python -m tests.reliability.soak scrape PORT SECONDS NAME...")
-    scrape_every_second(int(sys.argv[2]), float(sys.argv[3]), sys.argv[4:])
+    if len(sys.argv) < 5 or sys.argv[1] != "scrape":
+        sys.exit("usage: python -m tests.reliability.soak scrape PORT PID SECONDS NAME...")
+    scrape_every_second(int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]), sys.argv[5:])

@@ -687,6 +687,10 @@ class Engine:
         undone = False
         try:
             failed_at = self._steps(run, playbook, target, cancel, deadline, effects=effects)
+            if effects.fenced is None and not self.journal.owns(run.id):
+                # Lost in its last step (a wait): the taker ran the undos and reported the run;
+                # a verification now would end in a finish the journal refuses.
+                effects.fenced = f"another replica took run {run.id} over in its last step"
             if effects.fenced is not None:
                 log.error("run %d: %s; acting on it no more", run.id, effects.fenced)
                 return

@@ -7,8 +7,8 @@ Prometheus replicas do once `examples/prometheus.yml`'s relabelling dropped `rep
 alert, twice (startsAt a moment apart), to both managers, re-sent every few seconds with a
 fresh endsAt. Each alert is a LlamaServerDown on a counting server of its own
 (`harness.CountingServers`), whose run drains it (LiteLLM `block`, undo `unblock`), waits,
-"restarts" it (a request to `/sK/restart` that takes a second to answer, so restarts in flight
-can be counted at the servers), waits and verifies.
+"restarts" it (a request to `/sK/restart` that takes two seconds to answer, so restarts in
+flight can be counted at the servers), waits and verifies.
 
 Round after round, a few alerts are posted and the replica acting on one of them is lost in a
 disruptive moment — drained, mid-restart or just restarted:
@@ -77,19 +77,23 @@ LOCK_TTL = 10  # seconds: the config's minimum; a lost replica's runs are taken 
 CONCURRENT = 2  # max_concurrent_runs: four alerts a round, so runs wait for a place
 PER_ROUND = 4
 BEYOND_HOURLY_CAP = 2  # alerts posted after max_runs_per_hour is spent: they must wait
-RESTART_SECONDS = 1.0  # how long a /restart takes to answer: restarts in flight, countable
+RESTART_SECONDS = 2.0  # how long a /restart takes to answer: restarts in flight, countable
 MOMENTS = ("drained", "restarting", "restarted")
+# Each way of losing a replica goes through the moments in turn, from its own first one, so the
+# short size has each moment once: a stop in the last step (after it, no fence check of a step
+# is left), a kill mid-restart (the server finishes it), a kill after the drain.
+FIRST_MOMENT = {"stop": 2, "kill-restart": 1, "kill-takeover": 0}
 
 PLAYBOOK = """\
 name: ha-drain-restart
-description: Reliability HA - drains (LiteLLM), waits, restarts (1 s), waits; undo puts it back.
+description: Reliability HA - drains (LiteLLM), waits, restarts (2 s), waits; undo puts it back.
 match: {alertname: LlamaServerDown}
 target: server
 steps:
   - drain: {max_wait_seconds: 0}
-  - wait: {seconds: 1}
+  - wait: {seconds: 0.5}
   - http_request: {url: "{server.url}/restart", method: GET, expect_status: [200]}
-  - wait: {seconds: 1}
+  - wait: {seconds: 0.5}
 verify:
   probe: {http_probe: {url: "{server.url}/verify", expect_status: 200}}
 policy: {cooldown_seconds: 3600, timeout_seconds: 120}
@@ -236,7 +240,7 @@ class _Loss:
     run_id: int
     lost: str  # the replica id lost
     finished_by: str = ""
-    acts: tuple[int, int] = (0, 0)  # restarts and blocks of its server once the run had ended
+    acts: tuple[int, int, int] = (0, 0, 0)  # its server's restarts, blocks, verifications
 
 
 class _Journal:
@@ -340,8 +344,9 @@ def test_a_replica_killed_or_stopped_mid_run_loses_nothing_and_nothing_runs_twic
                 for number, how in enumerate(plan):
                     batch = names[number * PER_ROUND : (number + 1) * PER_ROUND]
                     prometheus.fire(batch)
-                    losses.append(_lose(how, rng.choice(MOMENTS), batch, journal=journal,
-                                        model=model, proxy=proxy, by_id=by_id))  # fmt: skip
+                    moment = MOMENTS[(FIRST_MOMENT[how] + plan[:number].count(how)) % 3]
+                    losses.append(_lose(how, moment, batch, journal=journal, model=model,
+                                        proxy=proxy, by_id=by_id))  # fmt: skip
                 prometheus.fire(names[hourly:])
                 wait_until(lambda: _settled(journal, url, count), timeout=180,
                            what="every alert decided, every report sent")  # fmt: skip
@@ -387,7 +392,10 @@ def test_a_replica_killed_or_stopped_mid_run_loses_nothing_and_nothing_runs_twic
     lost_runs = [loss for loss in losses if _outcome(runs, loss.run_id) != "interrupted"]
     # Once a lost run was interrupted and undone, nothing acts on its server again: not the
     # resumed replica (the fence), not the restarted one, not the run judged again (cooldown).
-    acted_after = [loss for loss in losses if _acts(loss.server, model, proxy) != loss.acts]
+    now_acts = {loss.run_id: _acts(loss.server, model, proxy) for loss in losses}
+    acted_after = [loss for loss in losses if now_acts[loss.run_id][:2] != loss.acts[:2]]
+    # Nor does a lost replica go on to verify a run it lost (its finish would be refused).
+    verified_after = [loss for loss in losses if now_acts[loss.run_id][2] != loss.acts[2]]
     disruptive = [r for r in acted if r["disruptive"]]
 
     figures.add(SUITE, "alerts (each twice, to both Alertmanagers)", count)
@@ -410,6 +418,7 @@ def test_a_replica_killed_or_stopped_mid_run_loses_nothing_and_nothing_runs_twic
                 sum(1 for r in runs if r["wait_reason"] == "cooldown"))  # fmt: skip
     figures.add(SUITE, "alerts waiting at the hourly cap", len(rate_limited))
     figures.add(SUITE, f"most restarts in flight at once (cap {CONCURRENT})", model.most)
+    figures.add(SUITE, "most deployments drained at once", _most_blocked(proxy.calls))
     figures.add(SUITE, "resumed replicas fenced before a step",
                 sum(log.count("acting on it no more") for log in logs))  # fmt: skip
     figures.add(SUITE, "undos repeated (idempotent unblock)",
@@ -419,6 +428,7 @@ def test_a_replica_killed_or_stopped_mid_run_loses_nothing_and_nothing_runs_twic
     figures.zero(SUITE, "alerts unhandled", len(unhandled))
     figures.zero(SUITE, "lost runs not interrupted", len(lost_runs))
     figures.zero(SUITE, "actions after the run was taken over", len(acted_after))
+    figures.zero(SUITE, "verifications after the run was taken over", len(verified_after))
     figures.zero(SUITE, "runs acted by neither replica", len(strangers))
     figures.zero(SUITE, "undos missing (left out of LiteLLM)", len(left_blocked))
     figures.zero(SUITE, "interrupted runs not reported", len(unreported))
@@ -429,6 +439,7 @@ def test_a_replica_killed_or_stopped_mid_run_loses_nothing_and_nothing_runs_twic
     assert twice == [] and handled_twice == [], (twice, handled_twice)
     assert unhandled == [] and strangers == [], (unhandled, strangers)
     assert lost_runs == [] and acted_after == [], (lost_runs, acted_after)
+    assert verified_after == [], verified_after
     assert left_blocked == [] and unreported == [], (left_blocked, unreported)
     assert delivered_twice == []
     assert model.most <= CONCURRENT and len(disruptive) <= hourly
@@ -441,6 +452,19 @@ def test_a_replica_killed_or_stopped_mid_run_loses_nothing_and_nothing_runs_twic
             assert finisher in by_id, loss
         else:
             assert finisher != loss.lost, loss  # taken over: the lost one never came back to it
+
+
+def _most_blocked(calls: list[tuple[str, str]]) -> int:
+    """The most deployments out of LiteLLM's routing at once, replaying its calls in order."""
+    blocked: set[str] = set()
+    most = 0
+    for path, model_id in calls:
+        if path == "/model/block":
+            blocked.add(model_id)
+        elif path == "/model/unblock":
+            blocked.discard(model_id)
+        most = max(most, len(blocked))
+    return most
 
 
 def _outcome(runs: list[dict[str, Any]], run_id: int) -> str | None:
@@ -520,11 +544,11 @@ def _lose(
     return loss
 
 
-def _acts(server: str, model: CountingServers, proxy: LiteLlmStandIn) -> tuple[int, int]:
-    """The restarts `server` got and the blocks its deployment got, so far."""
+def _acts(server: str, model: CountingServers, proxy: LiteLlmStandIn) -> tuple[int, int, int]:
+    """The restarts `server` got, the blocks its deployment got, its verifications, so far."""
     deployment = f"deploy-{server[1:]}"
     blocks = sum(1 for path, m in list(proxy.calls) if path == "/model/block" and m == deployment)
-    return model.count(server, "/restart"), blocks
+    return model.count(server, "/restart"), blocks, model.count(server, "/verify")
 
 
 def _settled(journal: _Journal, url: str, count: int) -> bool:

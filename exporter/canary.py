@@ -19,11 +19,12 @@ wakes a sleeper and resets its idle timer):
 3. a slot is free (`/metrics` `requests_processing` below `/props` `total_slots`), else
    `skipped_busy`;
 4. real traffic came since the probe's last run (llama-server's finished-request counters
-   moved past what they read right after that run, or a request is processing), else
+   moved from what they read right after that run, or a request is processing), else
    `skipped_idle`. Every completion resets the idle timer of a server started with
    `--sleep-idle-seconds`, so a canary on an idle server would keep it awake for ever; an idle
    server has no throughput to defend either. The first probe after the exporter starts has
-   no last run and goes ahead.
+   no last run and goes ahead; so does the first after a restart (the counters went back: a
+   new process, which the last reading, the old process's, says nothing about).
 
 In router mode (`/props` `role: "router"`) each child whose `/models` status is `loaded` is
 probed (the request names it and carries `autoload=false`); a sleeping, loading or unloaded
@@ -228,7 +229,11 @@ class CanaryProbe:
         if processing >= props.total_slots:
             return "skipped_busy"
         before = self._after_last_run.get(model)
-        if before is not None and processing == 0 and _traffic(values) <= before:
+        # Moved at all, not "moved up": counters that went back are a new process (a restart
+        # reset them), whose speed the old process's reading must not stand for. Comparing
+        # with `<=` read a restarted server as idle until it had served as much as the old one
+        # (the lab's degraded scenario: the slow reading stayed, and its alert with it).
+        if before is not None and processing == 0 and _traffic(values) == before:
             return "skipped_idle"
         outcome = self._complete(model, query, headers)
         after = _parsed(self._get(f"/metrics{query}", headers), lambda b: parse_metrics(b)[0])

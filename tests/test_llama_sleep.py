@@ -19,6 +19,7 @@ from exporter.canary import CanaryProbe
 from exporter.collectors.llama import LlamaCollector
 from exporter.roster import Canary
 from tests.llama_lab import LlamaServer, StartLlamaServer, get_json, wait_until
+from tests.tcp_proxy import TcpProxy
 from tests.test_llama_collector import Scrape, entry
 
 IDLE_SECONDS = 3
@@ -113,3 +114,24 @@ def test_the_canary_does_not_keep_an_idle_server_awake(
     assert generation.wait(60) and generation.status == 200, generation.error
     assert probe.run_once() == "ok"
     assert probe.run_once() == "skipped_idle"
+
+
+def test_the_canary_measures_a_restarted_server_again(llama_server: StartLlamaServer) -> None:
+    # One address, two processes in turn (a TCP proxy stands for the unit's fixed port): the
+    # old one served traffic, so its counters are ahead of the new one's. The new process has
+    # served nothing, yet the old reading says nothing about it: the canary measures once.
+    old = llama_server("-c", "1024", "-np", "1", "-t", "1", "--metrics")
+    with TcpProxy(old.port) as proxy:
+        settings = Canary(interval_seconds=10, max_tokens=8, timeout_seconds=30)
+        url = f"http://127.0.0.1:{proxy.port}"
+        probe = CanaryProbe("alpha", entry(url, canary=settings.model_dump()), settings)
+        assert probe.run_once() == "ok"
+        generation = old.generate(n_predict=32)  # traffic: the old counters move past the run
+        assert generation.wait(60) and generation.status == 200, generation.error
+        assert probe.run_once() == "ok"
+        assert probe.run_once() == "skipped_idle"
+        new = llama_server("-c", "1024", "-np", "1", "-t", "1", "--metrics")
+        old.stop()
+        proxy.upstream = new.port  # "restarted": the same address, a fresh process
+        assert probe.run_once() == "ok"
+        assert probe.run_once() == "skipped_idle"  # and idle again after that one run

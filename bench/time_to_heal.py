@@ -310,7 +310,13 @@ class Cooling(threading.Thread):
         """Poll every 0.05 s until every card has cooled (or `stop`)."""
         while not self.stop.wait(0.05) and len(self.cooled) < len(self.cards):
             for key, (capped, cool) in self.cards.items():
-                if key not in self.cooled and capped():
+                try:
+                    lowered = key not in self.cooled and capped()
+                except (OSError, ValueError):
+                    # The node writing the cap at this moment (sysfs `power1_cap` is written in
+                    # place, so a read may find it empty): the next poll reads it whole.
+                    continue
+                if lowered:
                     cool()
                     self.cooled[key] = time.time()
 

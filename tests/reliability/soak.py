@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -262,6 +263,7 @@ class Scrape:
     error: str
     cpu: float  # the exporter's CPU seconds during the scrape (all its threads)
     waited: float  # its threads' seconds waiting for a CPU meanwhile (run queue)
+    load: float  # the machine's 1-minute load average after the scrape
 
 
 def scrape_every_second(port: int, pid: int, seconds: float, healthy: list[str]) -> None:
@@ -285,7 +287,8 @@ def scrape_every_second(port: int, pid: int, seconds: float, healthy: list[str])
             conn.close()
         elapsed = time.monotonic() - began
         used = cpu_times(pid) - before
-        print(json.dumps([began, elapsed, status, up, error, used.cpu, used.waited]), flush=True)
+        line = [began, elapsed, status, up, error, used.cpu, used.waited, os.getloadavg()[0]]
+        print(json.dumps(line), flush=True)
         number += 1
         # On the second's cadence: a slow scrape is followed at once, not a second later.
         time.sleep(max(0.0, start + number - time.monotonic()))

@@ -4,7 +4,8 @@ What it shows (`render_page`): the fleet table (`remediator.fleet_status`, the s
 `gpu-fleet-remediator status`); pause and maintenance with who set them and why; open
 breakers and cooldowns; runs that wait; the recent runs with their decision, steps, timings,
 verification and the report as Zulip would render it, chart included (`/ui/runs/<id>/chart.png`,
-drawn by the report's own `remediator.notify.graph.draw`); the outbox's depth and its failures.
+drawn by the report's own `remediator.notify.graph.draw`) — the newest run unfolded, and the
+newest that acted when the newest did not (`opened_runs`); the outbox's depth and its failures.
 Each view names the CLI command a person runs to act: the page itself changes nothing.
 
 Air-gapped by construction: one HTML document, CSS inline, no script, no font, no request to
@@ -632,7 +633,23 @@ def _step_seconds(started: datetime, finished: datetime | None) -> str:
     return f"{(finished - started).total_seconds():.1f} s"
 
 
-def _run_section(view: RunView, config: Path | None) -> str:
+def opened_runs(runs: Sequence[RunView]) -> set[int]:
+    """The runs the page shows unfolded (`runs` newest first): what a person comes to read.
+
+    The newest run (what happens now), and, when that one took no step (it waits, was only
+    reported, or resolved first), the newest run that acted: the last thing the remediator did
+    to the fleet, with its steps and its report's chart. The rest stay folded, one line each.
+    Chosen by the page, not left to the reader: it refreshes itself every 30 s without a
+    script, which folds again whatever a person unfolded.
+    """
+    opened = {runs[0].run.id} if runs else set()
+    acted = next((view.run.id for view in runs if view.run.steps), None)
+    if acted is not None and not runs[0].run.steps:
+        opened.add(acted)
+    return opened
+
+
+def _run_section(view: RunView, config: Path | None, *, opened: bool = False) -> str:
     run = view.run
     result = run.outcome or run.decision or run.state
     if run.waiting:
@@ -678,7 +695,7 @@ def _run_section(view: RunView, config: Path | None) -> str:
                 f"{command('cancel', str(run.id), '--reason', 'WHY', config=config)}",
             )
         )
-    parts = [f"<details class=run id='run-{run.id}'>{summary}<table>"]
+    parts = [f"<details class=run id='run-{run.id}'{' open' * opened}>{summary}<table>"]
     parts += [f"<tr><th>{name}</th><td>{value}</td></tr>" for name, value in facts]
     parts.append("</table>")
     if run.steps:
@@ -751,7 +768,11 @@ def render_page(
             f"<div class='banner bad'>The journal cannot be read: {esc(status.journal_error)}</div>"
         )
     hosts = "".join(_host_section(h, status, config_path) for h in status.hosts)
-    run_parts = "".join(_run_section(view, config_path) for view in runs) or "<p>No runs.</p>"
+    opened = opened_runs(runs)
+    run_parts = (
+        "".join(_run_section(view, config_path, opened=view.run.id in opened) for view in runs)
+        or "<p>No runs.</p>"
+    )
     return (
         "<!DOCTYPE html>\n<html lang=en><head><meta charset=utf-8>"
         f"<meta http-equiv=refresh content={REFRESH_SECONDS}>"

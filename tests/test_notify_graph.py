@@ -479,6 +479,16 @@ def test_a_young_fast_scraped_incident_fills_the_picture(tmp_path: Path) -> None
     ):
         query = 'gpufleet_gpu_temperature_celsius{host="dioscuri",sensor="junction"}'
         prometheus.wait_for(query)
+        # A sample or two, drawn at once (a run that ended as Prometheus came up): the query's
+        # last point is now, so it holds the newest sample, not only points a step before.
+        first = datetime.now(UTC)
+        early = draw(prometheus.url, {
+            "query": query,
+            "start": (first - timedelta(minutes=15)).isoformat(),
+            "end": (first + timedelta(minutes=5)).isoformat(),
+            "marked": [(first - timedelta(seconds=30)).isoformat(), first.isoformat()],
+        })  # fmt: skip
+        assert early is not None and early.caption.startswith("50 °C")
         time.sleep(4)
         endpoint.set(_exposition(90))
         prometheus.wait_for(f"{query} == 90")
@@ -579,6 +589,12 @@ def test_time_ticks_are_round_utc_times() -> None:
         "02:50",
         "03:00",
         "03:10",
+    ]
+    # A window of seconds (a young Prometheus) gets ticks too, not one or none.
+    ticks = time_ticks(start + 3.4, start + 14.2)
+    assert [datetime.fromtimestamp(t, UTC).strftime("%H:%M:%S") for t in ticks] == [
+        "02:47:05",
+        "02:47:10",
     ]
 
 

@@ -40,7 +40,9 @@ OUTPUT = REPO / ".test-output"  # ignored by git: the pictures of the last run, 
 STABLE_SCREENSHOT = OUTPUT / "ui-page.png"
 # Each chromium start is bounded: the whole test stays well under two minutes.
 CHROMIUM_TIMEOUT_SECONDS = 45
-WINDOW = (1280, 1600)
+# Tall enough for the whole page as the `page` fixture fills it (about 2 900 px with its two
+# open runs, one with its chart): the screenshot is the README's picture of the page.
+WINDOW = (1280, 2960)
 # Answer headers the proxy passes back to chromium (the page's own policy among them).
 PASSED_HEADERS = ("Content-Type", "Content-Security-Policy", "Cache-Control",
                   "X-Content-Type-Options", "Referrer-Policy", "X-Frame-Options")  # fmt: skip
@@ -141,11 +143,15 @@ class _Dom(HTMLParser):
         self.tags: list[str] = []
         self.text: list[str] = []
         self.images: list[str] = []
+        self.open_runs: list[str] = []
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
         self.tags.append(tag)
+        found = dict(attrs)
         if tag == "img":
-            self.images.append(dict(attrs).get("src") or "")
+            self.images.append(found.get("src") or "")
+        if tag == "details" and "open" in found and found.get("class") == "run":
+            self.open_runs.append(found.get("id") or "")
 
     def handle_data(self, data: str) -> None:
         self.text.append(data)
@@ -184,6 +190,8 @@ def test_chromium_renders_the_page_with_its_runs_and_chart(
     assert "script" not in dom.tags
     assert all(src.startswith("/ui/runs/") for src in dom.images), dom.images
     assert "/ui/runs/1/chart.png" in dom.images
+    # Open as the page comes: the waiting run and the newest that acted, with its chart.
+    assert dom.open_runs == ["run-4", "run-2"], dom.open_runs
     # The browser fetched the chart itself, through the credential, and got a PNG.
     charts = [f for f in proxy.fetched if f.path.endswith("/chart.png")]
     assert charts and all(f.status == 200 and f.content_type == "image/png" for f in charts)

@@ -106,8 +106,10 @@ def _alert(fingerprint: str, prometheus: str, **changes: Any) -> dict[str, Any]:
     payload: dict[str, Any] = json.loads((ALERTMANAGER_FIXTURES / "firing.json").read_text())
     alert = payload["alerts"][0]
     alert["fingerprint"] = fingerprint
-    # Now, so that the chart's window holds the lab Prometheus' samples.
-    alert["startsAt"] = (datetime.now(UTC) - timedelta(seconds=30)).isoformat()
+    # Now, so that the chart's window holds the lab Prometheus' samples: it has scraped for a
+    # few seconds more than this (the `page` fixture waits for them), so the chart shows the
+    # series before and through the incident.
+    alert["startsAt"] = (datetime.now(UTC) - timedelta(seconds=4)).isoformat()
     alert["generatorURL"] = f"{prometheus}/graph?g0.expr=gpufleet_llama_up&g0.tab=1"
     for key in ("labels", "annotations"):
         alert[key].update(changes.pop(key, {}))
@@ -153,6 +155,11 @@ def page(tmp_path_factory: pytest.TempPathFactory, certs: Certs) -> Iterator[Pag
 
         try:
             wait_until(up, timeout=30, what="the remediator on TLS")
+            # The charts are drawn from Prometheus' samples: a page read before its first
+            # scrape of the exporter would have none to draw. Eight seconds of them, to show
+            # the series before the alerts (which start 4 s ago, `_alert`).
+            prometheus.wait_for('count_over_time(gpufleet_llama_up{server="alpha"}[20s]) >= 8',
+                                timeout=30)  # fmt: skip
             _fill(served)
             yield served
         finally:
@@ -247,6 +254,36 @@ def test_the_page_shows_the_fleet_the_rails_and_the_runs(page: Page) -> None:
     assert "Reported only" in text  # the alert no playbook handles
     assert "<img src='/ui/runs/1/chart.png'" in body
     assert "gpu-fleet-remediator runs --json" in text and "outbox" in text.lower()
+
+
+def test_the_newest_run_and_the_newest_that_acted_are_open(page: Page) -> None:
+    body = page.page()
+    opened = re.findall(r"<details class=run id='run-(\d+)' open>", body)
+    folded = re.findall(r"<details class=run id='run-(\d+)'>", body)
+    # Run 4 waits for the pause (no step yet): open, and beside it run 2, the newest that
+    # acted (beta's failed restart); run 3 was only reported, run 1 acted before run 2.
+    assert opened == ["4", "2"] and folded == ["3", "1"], (opened, folded)
+    assert "<details class=spoiler>" in body  # a report's evidence stays folded
+
+
+def test_which_runs_open() -> None:
+    from dataclasses import replace
+
+    from remediator.ui import RunView, opened_runs
+    from tests.test_notify_graph import temperature_run
+
+    acted = temperature_run()  # run 7, with steps
+    assert acted.steps
+    waiting = replace(acted, id=8, steps=[], state="waiting", outcome=None)
+    newer = replace(acted, id=9)
+
+    def views(*runs: Any) -> list[RunView]:
+        return [RunView(run, None, False) for run in runs]
+
+    assert opened_runs([]) == set()
+    assert opened_runs(views(newer, waiting, acted)) == {9}  # the newest acted: it alone
+    assert opened_runs(views(waiting, acted)) == {8, 7}
+    assert opened_runs(views(waiting)) == {8}  # nothing acted yet
 
 
 def test_hostile_labels_are_text_never_markup(page: Page) -> None:

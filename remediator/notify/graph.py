@@ -250,13 +250,21 @@ def query_range(
     """
     if step is None:
         step = query_step(start.timestamp(), end.timestamp())
+    # Prometheus evaluates at start, start + step, ... up to end, in whole milliseconds:
+    # counted back from the end, so the last point is the window's end (a window that ends now
+    # gets the newest sample, not one up to a step older); the first may fall a step before
+    # the start, outside the axes. In milliseconds here too, as the API's parameters are
+    # written: a step rounded there but not here would drop the last point.
+    step_ms = max(1, math.ceil(step * 1000))
+    end_ms = math.floor(end.timestamp() * 1000)
+    first_ms = end_ms - math.ceil((end_ms - start.timestamp() * 1000) / step_ms) * step_ms
     try:
         result = prometheus_api.query_range(
             prometheus_url,
             query,
-            start=start.timestamp(),
-            end=end.timestamp(),
-            step=step,
+            start=first_ms / 1000,
+            end=end_ms / 1000,
+            step=step_ms / 1000,
             timeout_seconds=timeout_seconds,
         )
     except prometheus_api.QueryError as exc:
@@ -323,8 +331,10 @@ def plain_text(text: str) -> str:
     return text.replace("$", r"\$")
 
 
-# Tick spacings, in seconds: each divides an hour or a day, so ticks fall on round UTC times.
-_TICK_STEPS = (10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600, 43200, 86400)
+# Tick spacings, in seconds: each divides an hour or a day, so ticks fall on round UTC times;
+# the shortest for a window of seconds (a young Prometheus, the lab).
+_TICK_STEPS = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600,
+               43200, 86400)  # fmt: skip
 
 
 def time_ticks(start: float, end: float, most: int = 4) -> list[float]:
@@ -673,18 +683,22 @@ def draw(
                             timeout_seconds=timeout_seconds, step=window.step)  # fmt: skip
         return [one for one in found if one.points]
 
+    def first_sample(series: Sequence[Series]) -> float:
+        return min(one.points[0][0] for one in series)
+
     try:
         series = fetch(window)
         if series:
-            fitted = fit_window(
-                chart, drawn_at, floor or MIN_STEP_SECONDS,
-                first_sample=min(one.points[0][0] for one in series),
-            )  # fmt: skip
-            # A later start than the step's slack: the data begins inside the window; asked
-            # again over the fitted window, at its finer step.
-            if fitted.start > window.start + window.step:
-                window = fitted
-                series = fetch(window) or series
+            # A coarse step's first point comes up to a step after the first sample.
+            begins = first_sample(series) - window.step
+            fitted = fit_window(chart, drawn_at, floor or MIN_STEP_SECONDS, first_sample=begins)
+            # The data begins inside the window: asked again over the fitted window at its
+            # finer step; the axis then begins at the first sample found (less than the coarse
+            # step later: no further query, the points are there).
+            if fitted.start > window.start + window.step and (finer := fetch(fitted)):
+                series = finer
+                start = fit_window(chart, drawn_at, fitted.step, first_sample(finer)).start
+                window = Window(max(fitted.start, start), fitted.end, fitted.step)
     except GraphError as exc:
         log.warning("report picture left out: %s", exc)
         return None

@@ -84,7 +84,7 @@ PER_ROUND = 4
 # Alerts posted while a replica is lost past the TTL: a silent run gives up its place under
 # the cap once its heartbeat is older than lock_ttl_seconds (journal/rails.py), and is taken
 # over (its drain undone) at the other replica's next heartbeat, up to 5 s later.
-DURING_A_LOSS = 4
+DURING_A_LOSS = sized(3, 4)
 BEYOND_HOURLY_CAP = 2  # alerts posted after max_runs_per_hour is spent: they must wait
 RESTART_SECONDS = 2.0  # how long a /restart takes to answer: restarts in flight, countable
 MOMENTS = ("drained", "restarting", "restarted")

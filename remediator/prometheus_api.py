@@ -138,6 +138,15 @@ def alerting_rule_names(prometheus_url: str, *, timeout_seconds: float) -> set[s
     return names
 
 
+def loaded_config_yaml(prometheus_url: str, *, timeout_seconds: float) -> str:
+    """The configuration Prometheus runs with, as YAML (`/api/v1/status/config`)."""
+    data = _api_get(prometheus_url, "status/config", {}, timeout_seconds)
+    text = data.get("yaml")
+    if not isinstance(text, str):
+        raise QueryError("Prometheus answered success without data.yaml")
+    return text
+
+
 def _api_query(
     prometheus_url: str, endpoint: str, params: dict[str, str], timeout_seconds: float
 ) -> dict[str, Any]:

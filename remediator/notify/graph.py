@@ -220,12 +220,12 @@ def scrape_interval_seconds(prometheus_url: str, *, timeout_seconds: float = 5.0
     A job may scrape at its own interval; the global one is what most series have.
     """
     try:
-        data = prometheus_api._api_get(prometheus_url, "status/config", {}, timeout_seconds)
+        text = prometheus_api.loaded_config_yaml(prometheus_url, timeout_seconds=timeout_seconds)
     except prometheus_api.QueryError as exc:
         log.info("report picture: Prometheus' scrape interval unknown: %s", exc)
         return None
     try:
-        config = yaml.safe_load(str(data.get("yaml", "")))
+        config = yaml.safe_load(text)
     except yaml.YAMLError:
         return None
     section = config.get("global") if isinstance(config, dict) else None

@@ -210,6 +210,9 @@ class Engine:
         self._loops: list[Loop] = []
         # The runs acting now, with their cancel flags (set at stop).
         self._active: dict[int, threading.Event] = {}
+        # Runs whose handling a JournalError cut short (the database went away mid-run): no
+        # thread acts on them; the heartbeat ends them once the journal is back.
+        self._orphans: set[int] = set()
         self._active_lock = threading.Lock()
         # This process's claim on its replica id (a lease): two live processes must never act
         # as one replica. `instance` tells this process from a predecessor with the same id.
@@ -239,6 +242,19 @@ class Engine:
         if taken:
             self.complete_interruptions()
         return taken
+
+    def recover_orphans(self) -> list[int]:
+        """Runs a journal failure cut short in this process: interrupted now (see `process_one`)."""
+        with self._active_lock:
+            orphans = set(self._orphans)
+        if not orphans:
+            return []
+        interrupted = self.journal.recover_orphans(sorted(orphans))
+        with self._active_lock:
+            self._orphans -= orphans
+        for run_id in interrupted:
+            log.warning("run %d lost its journal mid-run: undoing, not repeating", run_id)
+        return interrupted
 
     def complete_interruptions(self) -> int:
         """Undo and report every interrupted run this replica must finish; how many."""
@@ -439,6 +455,7 @@ class Engine:
         for run_id in active:
             self.journal.heartbeat(run_id)
         self.take_over()
+        self.recover_orphans()
         self.complete_interruptions()
         if time.monotonic() >= self._next_restore:
             interval = self.settings.actions.power_cap_check_interval_seconds
@@ -507,6 +524,11 @@ class Engine:
         try:
             self.handle(run)
         except JournalError:
+            # Left claimed or running in the journal, with no thread on it: the heartbeat
+            # takes it back as soon as the journal answers (not after lock_ttl_seconds, while
+            # its drain stays in place and it holds a place under the concurrency cap).
+            with self._active_lock:
+                self._orphans.add(run.id)
             raise
         except Exception as exc:
             log.exception("run %d failed in the engine", run.id)
@@ -717,11 +739,16 @@ class Engine:
                         "the remediator stopped during the verification" + self._undone_text(run)
                     )
         finally:
-            if not undone and effects.fenced is None:
-                # An exception cut the run short: its undos all the same.
-                self._run_undos(run, target, effects.escalations, effects.undone)
-            with self._active_lock:
-                self._active.pop(run.id, None)
+            try:
+                if not undone and effects.fenced is None:
+                    # An exception cut the run short: its undos all the same.
+                    self._run_undos(run, target, effects.escalations, effects.undone)
+            finally:
+                # Even when the undos cannot run (the journal is gone): a run left in _active
+                # had its heartbeat renewed for ever, never taken back, a place under the
+                # concurrency cap held until the process restarted.
+                with self._active_lock:
+                    self._active.pop(run.id, None)
         reports = self._final_reports(run, playbook, target, outcome=outcome,
                                       verification=verification)  # fmt: skip
         final = replace(journal.get_run(run.id) or run, state="done", outcome=outcome)

@@ -26,7 +26,9 @@ A small HTTP server on 127.0.0.1 (port 0) that keeps the part of Zulip's REST AP
 
 It records every request it answers (`requests`, with times and statuses) and every message
 and upload it accepted, and can be told to go down — `go_down("refuse")` closes the port,
-`go_down("5xx")` answers 502 like a proxy in front of a dead server — and to come back.
+`go_down("5xx")` answers 502 like a proxy in front of a dead server — and to come back;
+`lose_answers(n)` takes the next `n` messages and answers 504 (a proxy that timed out while
+Zulip stored the message: the sender cannot know it arrived).
 Each request is answered on its own connection (HTTP/1.0), so "down" takes effect at once.
 """
 
@@ -108,6 +110,7 @@ class ZulipStandIn:
         self._window_start = 0.0
         self._window_count = 0
         self._forced_429: list[float] = []
+        self._lost_answers = 0
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
         self.port = 0
@@ -151,6 +154,11 @@ class ZulipStandIn:
         """Answer the next `times` authenticated requests 429 with this `Retry-After`."""
         with self._lock:
             self._forced_429 += [retry_after] * times
+
+    def lose_answers(self, times: int = 1) -> None:
+        """Store the next `times` messages sent, but answer each 504 (its answer lost)."""
+        with self._lock:
+            self._lost_answers += times
 
     def add_message(self, stream: str, topic: str, content: str) -> int:
         """A message from the bot that is already there (sent before a crash, say)."""
@@ -279,6 +287,10 @@ class ZulipStandIn:
         if method == "POST" and path == "/api/v1/messages":
             form = {k: v[0] for k, v in parse_qs(raw.decode(), keep_blank_values=True).items()}
             status, body = self._send(form)
+            if status == 200 and self._lost_answers > 0:
+                # Stored, but the answer never reaches the sender: a gateway's timeout page.
+                self._lost_answers -= 1
+                return 504, b"<html><body>504 Gateway Time-out</body></html>", {}, form
         elif method == "POST" and path == "/api/v1/user_uploads":
             status, body = self._upload(handler.headers.get("Content-Type", ""), raw)
         elif method == "GET" and path == "/api/v1/messages":

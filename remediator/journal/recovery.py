@@ -106,6 +106,37 @@ class Recovery(Rails):
 
         return self._tx("recover interrupted runs", body)
 
+    def recover_orphans(self, run_ids: Sequence[int]) -> list[int]:
+        """This replica's runs a journal failure cut short in a worker, taken back now.
+
+        The worker's handling of each ended in a `JournalError` (the database went away in the
+        middle), so no thread acts on them any more: claimed ones go back to `pending`,
+        running ones become `interrupted` (to be completed: undos, then the report), as at a
+        start after a crash — at once, not after `lock_ttl_seconds`. Runs that ended or are
+        another replica's meanwhile are left alone. Returns the interrupted run ids.
+        """
+
+        def body(conn: Connection) -> list[int]:
+            mine = conn.execute(
+                sa.select(runs.c.id, runs.c.state).where(
+                    runs.c.id.in_(list(run_ids)),
+                    runs.c.owner == self.replica_id,
+                    runs.c.state.in_(("claimed", "running")),
+                )
+            ).all()
+            claimed = [row.id for row in mine if row.state == "claimed"]
+            if claimed:
+                conn.execute(
+                    sa.update(runs)
+                    .where(runs.c.id.in_(claimed), runs.c.state == "claimed")
+                    .values(state="pending", owner=None, claimed_at=None)
+                )
+            running = [int(row.id) for row in mine if row.state == "running"]
+            why = f"lost its journal on replica {self.replica_id} while executing"
+            return self._interrupt(conn, running, why)
+
+        return self._tx("recover runs a journal failure cut short", body)
+
     def take_over_stale(self) -> list[int]:
         """Take over the runs of replicas whose heartbeat is older than `lock_ttl`.
 

@@ -17,8 +17,9 @@ SCRAPES ?= 300
 #                             the node's sudoers line
 #   chromium                  the real browser (headless) that loads the remediator's page in
 #                             tests/test_ui_browser.py and screenshots it
+#   fonts-noto-color-emoji    the reports' emoji (🔴 ✅) in that screenshot, not empty boxes
 DEB_PACKAGES := prometheus prometheus-node-exporter prometheus-alertmanager systemd \
-                openssh-server sudo openssl curl chromium
+                openssh-server sudo openssl curl chromium fonts-noto-color-emoji
 
 .PHONY: run test bench lab deps venv lint typecheck unit floor reliability
 

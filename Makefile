@@ -112,7 +112,8 @@ bench: deps venv
 
 ## make lab: the lab's scenarios one by one (tests/lab.py), a timeline printed as each phase happens
 lab: deps venv
-	$(BIN)/pytest -m lab -s -p no:cacheprovider tests/test_lab.py tests/test_lab_hosts.py
+	$(BIN)/pytest -m lab -s -p no:cacheprovider tests/test_lab.py tests/test_lab_hosts.py \
+		tests/test_lab_degraded.py
 
 ## make reliability: hostile webhooks, hostile exporter data and crashes at full size
 ## (tests/reliability/, GPUFLEET_RELIABILITY=full), one table of figures at the end; it fails on

@@ -485,9 +485,14 @@ def _server_rows(servers: Sequence[ServerStatus]) -> str:
         else:
             state_html = esc(state)
         speed = ratio(server.tokens_per_second, server.baseline_tokens_per_second)
-        speed_tone = (
-            "" if speed is None else "bad" if speed < 0.5 else "warn" if speed < 0.7 else ""
-        )
+        speed_tone = _speed_tone(speed)
+        speed_html = _pair(server.tokens_per_second, server.baseline_tokens_per_second, 1)
+        if server.model_speeds:  # a router: each model against its own baseline
+            speed_html = "<br>".join(
+                f"<span class='{_speed_tone(ratio(m.now, m.baseline))}'>{esc(name)}: "
+                f"{_pair(m.now, m.baseline, 1)}</span>"
+                for name, m in server.model_speeds.items()
+            )
         name = esc(server.server) + (
             "" if server.in_roster else " <span class=warn>(not in the roster)</span>"
         )
@@ -498,13 +503,17 @@ def _server_rows(servers: Sequence[ServerStatus]) -> str:
             f"<td class=n>{_num(server.context_tokens)}</td>"
             f"<td class=n>{_pair(server.slots_busy, server.slots_total)}</td>"
             f"<td class='n {'warn' if server.deferred else ''}'>{_num(server.deferred)}</td>"
-            f"<td class='n {speed_tone}'>"
-            f"{_pair(server.tokens_per_second, server.baseline_tokens_per_second, 1)}</td>"
+            f"<td class='n {speed_tone}'>{speed_html}</td>"
             f"<td class={'bad' if server.ghost else ''}>"
             f"{'?' if server.ghost is None else 'yes' if server.ghost else 'no'}</td></tr>"
         )
     rows.append("</table>")
     return "".join(rows)
+
+
+def _speed_tone(share: float | None) -> str:
+    """A speed against its baseline: bad under half, a warning under 70 %."""
+    return "" if share is None else "bad" if share < 0.5 else "warn" if share < 0.7 else ""
 
 
 def _host_section(host: HostStatus, status: FleetStatus, config: Path | None) -> str:

@@ -235,6 +235,9 @@ def test_the_page_shows_the_fleet_the_rails_and_the_runs(page: Page) -> None:
     # The fleet table, as `status` shows it.
     assert "NVIDIA H200" in text and "61 / 95 (memory)" in text and "115.0 / 140.4" in text
     assert "41.5 / 52.2" in text and "sleeping" in text
+    # A router's speeds by model, each against its own baseline (qwen's 42 %: marked bad).
+    assert "gemma: 88.0 / 90.0" in text and "qwen: 12.5 / 30.0" in text
+    assert "<span class='bad'>qwen: 12.5 / 30.0</span>" in body
     # Pause and maintenance with who and why, and the command that ends each.
     assert "Remediation is paused (fleet-wide)" in text and "by admin: deploy <now>" in text
     assert "gpu-fleet-remediator resume --reason WHY" in text

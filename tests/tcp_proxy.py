@@ -51,6 +51,11 @@ class TcpProxy:
             listener, self._listener = self._listener, None
             connections, self._connections = self._connections, []
         if listener is not None:
+            # Closing alone leaves a thread blocked in accept() listening (Linux keeps the
+            # socket while the call holds it): the next connect would be taken and reset
+            # instead of refused. shutdown() wakes that accept first.
+            with contextlib.suppress(OSError):
+                listener.shutdown(socket.SHUT_RDWR)
             listener.close()
         for sock in connections:
             with contextlib.suppress(OSError):

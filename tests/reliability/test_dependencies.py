@@ -31,8 +31,13 @@ counted from `/proc` (a thread left hanging by a fault shows there).
 
 from __future__ import annotations
 
+import io
+import json
 import os
 import re
+import signal
+import socket
+import subprocess
 import threading
 import time
 import urllib.error
@@ -41,6 +46,7 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -49,9 +55,12 @@ import sqlalchemy as sa
 
 from tests.llama_lab import LabError, free_port, wait_until
 from tests.pg import throwaway_database
+from tests.prometheus_lab import PrometheusServer
 from tests.reliability.figures import Figures, sized
 from tests.reliability.harness import CountingServers, dumps, notification, post
 from tests.remediator_lab import Setup, write_setup
+from tests.ssh_lab import SshLab, keygen, node_forced_command, write_wrapper
+from tests.systemctl_stand_in import SystemctlStandIn
 from tests.tcp_proxy import TcpProxy
 from tests.test_host_actions import LiteLlmStandIn
 from tests.test_notify_e2e import zulip_config
@@ -177,9 +186,9 @@ class Poster:
     refused: Counter[int] = field(default_factory=Counter)  # answers other than 200, by status
     _threads: list[threading.Thread] = field(default_factory=list)
 
-    def post(self, server: str, fingerprint: str, group: str) -> None:
+    def post(self, server: str, fingerprint: str, group: str, host: str = "dioscuri") -> None:
         """Post in the background until answered 200 (a 4xx fails the case at `join`)."""
-        body = notification(server, fingerprint, group_key=group)
+        body = notification(server, fingerprint, group_key=group, host=host)
 
         def run() -> None:
             while True:
@@ -385,6 +394,7 @@ def test_zulip_down_rate_limiting_lost_answers_and_5xx_first_contact(
             replica.stop()
             model.close()
         sent = markers(zulip)
+        found_again = log.read_text(errors="replace").count("was already in Zulip")
         outbox = rows(url, "SELECT id, state FROM outbox")
         requests = list(zulip.requests)
     # No request while a Retry-After runs: the two forced 429s said 1.5 s each.
@@ -398,6 +408,7 @@ def test_zulip_down_rate_limiting_lost_answers_and_5xx_first_contact(
     figures.add(suite, "429 answers (Retry-After)", sum(1 for r in requests if r.status == 429))
     figures.add(suite, "5xx answers", sum(1 for r in requests if r.status >= 500))
     figures.add(suite, "answers lost after Zulip took the message", 1)
+    figures.add(suite, "reports found in Zulip, not sent again", found_again)
     figures.add(suite, "/healthz samples", len(health.samples))
     figures.zero(suite, "reports lost (not delivered)", len(lost))
     figures.zero(suite, "reports delivered twice", len(twice))
@@ -520,3 +531,355 @@ def test_postgresql_cut_mid_run_loses_nothing_and_acts_once(
     assert twice == [] and left_blocked == [], (twice, left_blocked)
     assert wrong == [], wrong[:5]
     assert stuck == 0
+
+
+# --- SSH --------------------------------------------------------------------------------------
+
+SSH_PLAYBOOK = """\
+name: ssh-restart
+description: Reliability - restarts the server's unit through gpu-fleet-node over SSH.
+match: {alertname: LlamaServerDown}
+target: server
+steps:
+  - restart_server: {}
+    timeout_seconds: 8
+policy: {cooldown_seconds: 3600, timeout_seconds: 60}
+"""
+SSH_STEP_SECONDS = 8
+
+
+class SilentListener:
+    """A port that accepts TCP connections and never says a word (a hung sshd)."""
+
+    def __init__(self, address: str) -> None:
+        self.sock = socket.socket()
+        self.sock.bind((address, 0))
+        self.sock.listen(16)
+        self.port = int(self.sock.getsockname()[1])
+        self.accepted: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                connection, _ = self.sock.accept()
+            except OSError:
+                return
+            self.accepted.append(connection)
+
+    def close(self) -> None:
+        self.sock.close()
+        for connection in self.accepted:
+            connection.close()
+
+
+def _closed_port(address: str) -> int:
+    with socket.socket() as probe:
+        probe.bind((address, 0))
+        return int(probe.getsockname()[1])
+
+
+def test_ssh_targets_that_hang_refuse_or_changed_their_key(
+    tmp_path: Path, figures: Figures
+) -> None:
+    suite = f"{SUITE}: SSH"
+    (tmp_path / "systemd").mkdir()
+    stand_in = SystemctlStandIn(tmp_path / "systemd")
+    good = SshLab(tmp_path / "good-ssh", address="127.0.0.5")
+    rekeyed = SshLab(tmp_path / "rekeyed-ssh", address="127.0.0.4")
+    hung = SilentListener("127.0.0.2")
+    refusing_port = _closed_port("127.0.0.3")
+    hosts = {"hung": "127.0.0.2", "refusing": "127.0.0.3", "rekeyed": "127.0.0.4",
+             "good": "127.0.0.5"}  # fmt: skip
+    ports = {"hung": hung.port, "refusing": refusing_port, "rekeyed": rekeyed.port,
+             "good": good.port}  # fmt: skip
+    model = CountingServers([f"{h}-s" for h in hosts])
+    port = free_port()
+    setup = write_setup(tmp_path, servers={}, listen=f"127.0.0.1:{port}")
+    urls = model.urls()
+    lines = ["hosts:"]
+    for host, address in hosts.items():
+        lines += [
+            f"  {host}:",
+            f"    address: {address}",
+            f"    ssh: {{user: {good.user}, port: {ports[host]}}}",
+            "    servers:",
+            f"      {host}-s: {{engine: llama, url: '{urls[f'{host}-s']}', "
+            f"unit: llama-server@{host}-s.service, role: gpu-dense, model: tiny}}",
+        ]
+    setup.roster.write_text("\n".join(lines) + "\n")
+    for name in ("probe", "probe-stuck"):
+        (setup.playbooks / f"{name}.yaml").unlink()
+    (setup.playbooks / "ssh-restart.yaml").write_text(SSH_PLAYBOOK)
+    # One remediator key for every host (as in production); the rekeyed host's sshd has a new
+    # host key, the known_hosts the remediator has still names its old one.
+    identity = keygen(tmp_path / "remediator_id", "remediator")
+    unit = "llama-server@good-s.service"
+    stand_in.declare_service(unit, ["sleep", "3600"], stop_timeout_seconds=2)
+    good.add_key("node", node_forced_command(tmp_path, setup.roster, "good", stand_in.env()),
+                 private=identity)  # fmt: skip
+    ran_there = tmp_path / "ran-on-rekeyed"
+    rekeyed.add_key("node", str(write_wrapper(tmp_path / "rekeyed.sh",
+                    ["sh", "-c", f"echo ran >> {ran_there}"], {})), private=identity)  # fmt: skip
+    good.start()
+    rekeyed.start()
+    old_key = keygen(tmp_path / "old_host_key", "the rekeyed host's old key")
+    kind, blob = Path(f"{old_key}.pub").read_text().split()[:2]
+    known_hosts = tmp_path / "known_hosts"
+    known_hosts.write_text(
+        good.known_hosts.read_text() + f"[127.0.0.4]:{rekeyed.port} {kind} {blob}\n"
+    )
+    known_before = known_hosts.read_text()
+    with setup.config.open("a") as config:
+        config.write(f"ssh: {{identity_file: {identity}, known_hosts_file: {known_hosts}, "
+                     "connect_timeout_seconds: 3}\n")  # fmt: skip
+    subprocess.run(["systemctl", "start", unit], env=stand_in.env(), check=True, timeout=30)
+    pid_before = stand_in.main_pid(unit)
+    try:
+        with serving(setup, port, tmp_path / "remediator.log") as replica, \
+                HealthProbe(port) as health:  # fmt: skip
+            baseline = threads_of(replica)
+            poster = Poster(port, setup.webhook_token)
+            for index, host in enumerate(hosts):
+                poster.post(f"{host}-s", f"{index:016x}", f"ssh-{host}", host=host)
+                time.sleep(0.2)
+            poster.join()
+            wait_until(
+                lambda: (
+                    len(replica.runs()) == len(hosts)
+                    and all(r["state"] == "done" for r in replica.runs())
+                ),
+                SSH_STEP_SECONDS * 4 + 30,
+                what="every SSH run ended",
+            )
+            listed = replica.runs()
+            assert all(r["target"] for r in listed), [(r["decision"], r["reason"]) for r in listed]
+            runs = {r["target"].split("/")[1]: r for r in listed}
+            stuck = settle_threads(replica, baseline)
+    finally:
+        good.stop()
+        rekeyed.stop()
+        hung.close()
+        model.close()
+        stand_in.stop_all()
+    reasons = {
+        "hung": ("timeout", "banner exchange", "timed out"),
+        "refusing": ("Connection refused",),
+        "rekeyed": ("Host key verification failed",),
+    }
+    unclear, late, unsafe = [], [], []
+    for host, run in runs.items():
+        step = run["steps"][0]
+        seconds = (datetime.fromisoformat(step["finished_at"])
+                   - datetime.fromisoformat(step["started_at"])).total_seconds()  # fmt: skip
+        if seconds > SSH_STEP_SECONDS + 3:
+            late.append(f"{host}: {seconds:.1f} s")
+        if "StrictHostKeyChecking=yes" not in step["output"] or "=no" in step["output"]:
+            unsafe.append(host)
+        if host == "good":
+            if run["outcome"] != "done_unverified" or step["result"] != "ok":
+                unclear.append(f"good: {run['outcome']}: {step['output'][:300]}")
+            continue
+        if (
+            run["outcome"] != "failed"
+            or step["result"] != "failed"
+            or not any(reason in step["output"] for reason in reasons[host])
+        ):
+            unclear.append(f"{host}: {run['outcome']}/{step['result']}: {step['output'][:300]}")
+        figures.add(
+            suite, f"{host}: ms to fail (limit {SSH_STEP_SECONDS} s)", round(1000 * seconds)
+        )
+    wrong_host = len(ran_there.read_text().splitlines()) if ran_there.exists() else 0
+    restarted = stand_in.main_pid(unit) != pid_before
+    wrong = health.dishonest()
+    figures.add(suite, "hung host's connections (said nothing)", len(hung.accepted))
+    figures.zero(suite, "steps failing without a clear reason", len(unclear))
+    figures.zero(suite, "steps past their time limit", len(late))
+    figures.zero(
+        suite, "host key checking off", len(unsafe) + (known_hosts.read_text() != known_before)
+    )
+    figures.zero(suite, "commands run on the rekeyed host", wrong_host)
+    figures.zero(suite, "good host not restarted", int(not restarted))
+    figures.zero(suite, "dishonest /healthz samples", len(wrong))
+    figures.zero(suite, "threads stuck", stuck)
+    assert unclear == [] and late == [] and unsafe == [], (unclear, late, unsafe)
+    assert wrong_host == 0 and restarted
+    assert known_hosts.read_text() == known_before  # nothing learnt, nothing replaced
+    assert wrong == [] and stuck == 0, (wrong[:5], stuck)
+
+
+# --- Prometheus -------------------------------------------------------------------------------
+
+PROMQL_VERIFY = "  promql: 'vector(1) == 1'\n  within_seconds: 2\n  interval_seconds: 0.5"
+
+
+def test_prometheus_unreachable_or_hung_during_verification_is_never_healed(
+    tmp_path: Path, figures: Figures
+) -> None:
+    suite = f"{SUITE}: Prometheus"
+    names = ["m0", "m1", "m2", "m3"]
+    model = CountingServers(names)
+    port = free_port()
+    with PrometheusServer(tmp_path, []) as prometheus, TcpProxy(prometheus.port) as front:
+        setup = drain_setup(tmp_path, port, model, None, wait=1.5, verify=PROMQL_VERIFY,
+                            prometheus_url=f"http://127.0.0.1:{front.port}")  # fmt: skip
+        process = prometheus._process
+        assert process is not None
+        try:
+            with serving(setup, port, tmp_path / "remediator.log") as replica, \
+                    HealthProbe(port) as health:  # fmt: skip
+                baseline = threads_of(replica)
+                poster = Poster(port, setup.webhook_token)
+
+                def run_of(name: str) -> dict[str, Any]:
+                    found = [r for r in replica.runs() if (r["target"] or "").endswith(f"/{name}")]
+                    return found[0] if found and found[0]["state"] == "done" else {}
+
+                def one(name: str, fault: str) -> dict[str, Any]:
+                    poster.post(name, f"{names.index(name):016x}", f"prom-{name}")
+                    # The restart (after the still-firing question) is done: now the fault.
+                    wait_until(lambda: model.count(name, "/restart") == 1, 30, what="restart")
+                    if fault == "unreachable":
+                        front.cut()
+                    elif fault == "hung":
+                        process.send_signal(signal.SIGSTOP)
+                    wait_until(lambda: bool(run_of(name)), 60, what=f"{name}'s run to end")
+                    front.restore() if fault == "unreachable" else None
+                    if fault == "hung":
+                        process.send_signal(signal.SIGCONT)
+                    return run_of(name)
+
+                control = one("m0", "none")
+                unreachable = one("m1", "unreachable")
+                hung = one("m2", "hung")
+                after = one("m3", "none")
+                poster.join()
+                stuck = settle_threads(replica, baseline)
+        finally:
+            if process.poll() is None:
+                process.send_signal(signal.SIGCONT)
+            model.close()
+    healed_wrongly = [r["verification"] for r in (unreachable, hung) if r["outcome"] == "healed"]
+    unclear = []
+    if "unreachable" not in str(unreachable["verification"]):
+        unclear.append(unreachable["verification"])
+    if "did not answer within" not in str(hung["verification"]):
+        unclear.append(hung["verification"])
+    wrong = health.dishonest()
+    figures.add(suite, "verifications with Prometheus up (healed)",
+                sum(r["outcome"] == "healed" for r in (control, after)))  # fmt: skip
+    figures.add(suite, "verifications with Prometheus cut or hung (not healed)",
+                sum(r["outcome"] == "not_healed" for r in (unreachable, hung)))  # fmt: skip
+    figures.zero(suite, "runs healed without an answer", len(healed_wrongly))
+    figures.zero(suite, "verifications without the reason", len(unclear))
+    figures.zero(suite, "dishonest /healthz samples", len(wrong))
+    figures.zero(suite, "threads stuck", stuck)
+    assert control["outcome"] == "healed" and after["outcome"] == "healed", (control, after)
+    assert unreachable["outcome"] == "not_healed" and hung["outcome"] == "not_healed"
+    assert unclear == [], unclear
+    assert wrong == [] and stuck == 0, (wrong[:5], stuck)
+
+
+# --- LiteLLM ----------------------------------------------------------------------------------
+
+
+def refuse_unblocks(proxy: LiteLlmStandIn, model_ids: set[str]) -> None:
+    """Make the stand-in answer 503 to `/model/unblock` of these deployments, as LiteLLM does
+    when its database is gone (`{"error": {...}}`); everything else as before."""
+    base: Any = proxy._server.RequestHandlerClass
+
+    class Refusing(base):  # type: ignore[misc]
+        def do_POST(self) -> None:
+            length = int(self.headers.get("Content-Length") or 0)
+            raw: bytes = self.rfile.read(length)  # type: ignore[has-type]
+            model_id = str(json.loads(raw or b"{}").get("model_id"))
+            if self.path == "/model/unblock" and model_id in model_ids:
+                proxy.calls.append((self.path, model_id))
+                self._send(503, {"error": {"message": "DB not connected", "type": "None",
+                                           "param": "None", "code": "503"}})  # fmt: skip
+                return
+            self.rfile = io.BytesIO(raw)
+            super().do_POST()
+
+    proxy._server.RequestHandlerClass = Refusing
+
+
+def test_litellm_refusing_the_unblock_is_journaled_and_calls_people(
+    tmp_path: Path, figures: Figures
+) -> None:
+    suite = f"{SUITE}: LiteLLM"
+    names = ["l0", "l1", "l2"]
+    model = CountingServers(names)
+    proxy = LiteLlmStandIn(MASTER_KEY, [f"deploy-{n}" for n in names])
+    refuse_unblocks(proxy, {"deploy-l0"})
+    port = free_port()
+    with ZulipStandIn() as zulip, TcpProxy(int(proxy.url.rsplit(":", 1)[1])) as front:
+        front_url = f"http://127.0.0.1:{front.port}"
+        zuliprc = zulip.write_zuliprc(tmp_path / "zuliprc")
+        setup = drain_setup(tmp_path, port, model, proxy, wait=1.0, extra=zulip_config(zuliprc))
+        setup.roster.write_text(setup.roster.read_text().replace(proxy.url, front_url))
+        url = f"sqlite:///{tmp_path / 'journal.db'}"
+        try:
+            with serving(setup, port, tmp_path / "remediator.log") as replica, \
+                    HealthProbe(port) as health:  # fmt: skip
+                baseline = threads_of(replica)
+                poster = Poster(port, setup.webhook_token)
+
+                def run_of(name: str) -> dict[str, Any]:
+                    found = [r for r in replica.runs() if (r["target"] or "").endswith(f"/{name}")]
+                    return found[0] if found and found[0]["state"] == "done" else {}
+
+                # l0: LiteLLM answers the unblock 503; l1: refuses connections at the unblock.
+                poster.post("l0", f"{0:016x}", "litellm-l0")
+                wait_until(lambda: bool(run_of("l0")), 60, what="l0's run")
+                poster.post("l1", f"{1:016x}", "litellm-l1")
+                wait_until(lambda: model.count("l1", "/restart") == 1, 30, what="l1 restarted")
+                front.cut()
+                wait_until(lambda: bool(run_of("l1")), 60, what="l1's run")
+                front.restore()
+                poster.post("l2", f"{2:016x}", "litellm-l2")  # LiteLLM well: nothing else lost
+                wait_until(lambda: bool(run_of("l2")), 60, what="l2's run")
+                poster.join()
+                wait_until(
+                    lambda: not rows(url, "SELECT id FROM outbox WHERE state != 'sent'"),
+                    60,
+                    what="every report sent",
+                )
+                runs = {n: run_of(n) for n in names}
+                events = replica.request("GET", "/api/events?kind=escalation", admin=True)["events"]
+                stuck = settle_threads(replica, baseline)
+        finally:
+            model.close()
+            proxy.close()
+        undos = rows(url, "SELECT run_id, state, output FROM undos")
+        messages = [m.content for m in [*zulip.stream_messages(), *zulip.direct_messages()]]
+    by_run = {r["id"]: n for n, r in runs.items()}
+    undo_state = {by_run[int(run_id)]: (state, output) for run_id, state, output in undos}
+    unclear, unescalated, unreported = [], [], []
+    expected = {"l0": ("answered 503",), "l1": ("Connection refused", "reset by peer")}
+    for name, whys in expected.items():
+        state, output = undo_state[name]
+        undo_step = runs[name]["steps"][-1]
+        clear = any(why in str(output) for why in whys)
+        if state != "failed" or not clear or undo_step["result"] != "failed":
+            unclear.append(f"{name}: {state}: {output}")
+        if not any(e["run_id"] == runs[name]["id"] and "could not undo" in e["detail"]
+                   for e in events):  # fmt: skip
+            unescalated.append(name)
+        report = [m for m in messages if f"run #{runs[name]['id']}" in m]
+        if not any("FAILED" in m or "failed" in m for m in report):
+            unreported.append(name)
+    attempts = Counter(m for path, m in proxy.calls if path == "/model/unblock")
+    figures.add(suite, "unblocks refused (503)", attempts["deploy-l0"])
+    figures.add(suite, "deployments left blocked, people called", sum(proxy.blocked.values()))
+    figures.zero(suite, "undo failures not journaled with the reason", len(unclear))
+    figures.zero(suite, "undo failures without an escalation", len(unescalated))
+    figures.zero(suite, "undo failures not in the report", len(unreported))
+    figures.zero(suite, "other runs hurt", int(runs["l2"]["outcome"] != "healed"
+                                                or proxy.blocked["deploy-l2"]))  # fmt: skip
+    figures.zero(suite, "dishonest /healthz samples", len(health.dishonest()))
+    figures.zero(suite, "threads stuck", stuck)
+    assert unclear == [] and unescalated == [] and unreported == [], (
+        unclear, unescalated, unreported)  # fmt: skip
+    assert runs["l2"]["outcome"] == "healed" and not proxy.blocked["deploy-l2"]
+    assert health.dishonest() == [] and stuck == 0

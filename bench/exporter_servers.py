@@ -61,6 +61,7 @@ from tests.llama_lab import free_port  # noqa: E402
 from tests.reliability.soak import (  # noqa: E402 - the six, shared with the soak test
     HEALTHY,
     CpuTimes,
+    collector_seconds,
     cpu_times,
     six_servers_roster,
     start_six_servers,
@@ -81,15 +82,6 @@ def scrape(port: int) -> tuple[float, str]:
     finally:
         conn.close()
     return time.perf_counter() - start, body
-
-
-def collector_seconds(body: str, collector: str) -> float | None:
-    """A collector's own duration in this scrape, from the exporter's self metrics."""
-    head = f'gpufleet_exporter_collector_duration_seconds{{collector="{collector}"}} '
-    for line in body.splitlines():
-        if line.startswith(head):
-            return float(line[len(head) :])
-    return None
 
 
 def slope(values: list[float]) -> float:

@@ -264,6 +264,7 @@ class Scrape:
     cpu: float  # the exporter's CPU seconds during the scrape (all its threads)
     waited: float  # its threads' seconds waiting for a CPU meanwhile (run queue)
     load: float  # the machine's 1-minute load average after the scrape
+    llama: float | None  # the llama collector's own seconds (the exporter's self metric)
 
 
 def scrape_every_second(port: int, pid: int, seconds: float, healthy: list[str]) -> None:
@@ -273,7 +274,7 @@ def scrape_every_second(port: int, pid: int, seconds: float, healthy: list[str])
     while time.monotonic() < start + seconds:
         before = cpu_times(pid)
         began = time.monotonic()
-        status, up, error = 0, 0, ""
+        status, up, error, llama = 0, 0, "", None
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
         try:
             conn.request("GET", "/metrics")
@@ -281,17 +282,28 @@ def scrape_every_second(port: int, pid: int, seconds: float, healthy: list[str])
             body = response.read().decode()
             status = response.status
             up = sum(f'gpufleet_llama_up{{server="{name}"}} 1.0' in body for name in healthy)
+            llama = collector_seconds(body, "llama")
         except (OSError, http.client.HTTPException) as exc:
             error = f"{type(exc).__name__}: {exc}"
         finally:
             conn.close()
         elapsed = time.monotonic() - began
         used = cpu_times(pid) - before
-        line = [began, elapsed, status, up, error, used.cpu, used.waited, os.getloadavg()[0]]
+        load = os.getloadavg()[0]
+        line = [began, elapsed, status, up, error, used.cpu, used.waited, load, llama]
         print(json.dumps(line), flush=True)
         number += 1
         # On the second's cadence: a slow scrape is followed at once, not a second later.
         time.sleep(max(0.0, start + number - time.monotonic()))
+
+
+def collector_seconds(body: str, collector: str) -> float | None:
+    """A collector's own duration in this scrape, from the exporter's self metrics."""
+    head = f'gpufleet_exporter_collector_duration_seconds{{collector="{collector}"}} '
+    for line in body.splitlines():
+        if line.startswith(head):
+            return float(line[len(head) :])
+    return None
 
 
 def parse_scrapes(text: str) -> list[Scrape]:

@@ -454,7 +454,8 @@ def test_a_storm_and_a_soak_side_by_side(tmp_path: Path, figures: Figures) -> No
         # When the run-queue wait is about the overshoot, other processes held the CPUs.
         print(f"  scrape at {s.at - soak_start:.1f} s: {s.seconds:.3f} s, {s.status}, "
               f"{s.healthy_up} up, exporter CPU {s.cpu:.3f} s, waited for a CPU "
-              f"{s.waited:.3f} s, load {s.load:.1f} {s.error}")  # fmt: skip
+              f"{s.waited:.3f} s, load {s.load:.1f}, llama collector {s.llama} s "
+              f"{s.error}")  # fmt: skip
     print(f"scrapes: exporter CPU median {statistics.median(s.cpu for s in scrapes):.3f} s, "
           f"waited for a CPU median {statistics.median(s.waited for s in scrapes):.3f} s, "
           f"max {max(s.waited for s in scrapes):.3f} s; load median "

@@ -50,6 +50,7 @@ from remediator.doorbell import Doorbell
 from remediator.firing import FiringCheck
 from remediator.journal import (
     AlertRecord,
+    ClaimUnread,
     Journal,
     JournalError,
     Plan,
@@ -515,7 +516,12 @@ class Engine:
         """Claim and handle one due run; False when none is due (or the engine stops)."""
         if self._stop.is_set() and self._loops:
             return False
-        run = self.journal.claim_next_run()
+        try:
+            run = self.journal.claim_next_run()
+        except ClaimUnread as exc:
+            with self._active_lock:
+                self._orphans.add(exc.run_id)  # claimed, never handled: taken back (heartbeat)
+            raise
         if run is None:
             return False
         # Another run may be due as well: the next sleeping worker looks for it while this

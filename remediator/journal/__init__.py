@@ -32,6 +32,7 @@ from remediator.alerts import PayloadError, parse_notification
 from remediator.config import Limits
 from remediator.journal.admission import DEFAULT_DEDUPE_WINDOW, Admissions
 from remediator.journal.db import (
+    ClaimUnread,
     JournalError,
     RunStateError,
     bound_output,
@@ -69,6 +70,7 @@ __all__ = [
     "Admission",
     "AlertRecord",
     "Breaker",
+    "ClaimUnread",
     "Event",
     "Journal",
     "JournalError",

@@ -73,6 +73,18 @@ class RunStateError(JournalError):
     """A run is missing, or not in the state the operation needs."""
 
 
+class ClaimUnread(JournalError):
+    """A run was claimed (committed) but could not be read back: the journal went away between.
+
+    `run_id` is the run, now this replica's and claimed, which no worker holds: the engine
+    takes it back once the journal answers again.
+    """
+
+    def __init__(self, message: str, run_id: int) -> None:
+        super().__init__(message)
+        self.run_id = run_id
+
+
 def utcnow() -> datetime:
     """Now, aware UTC: the journal's default clock."""
     return datetime.now(UTC)

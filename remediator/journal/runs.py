@@ -16,7 +16,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from remediator.journal.db import RunStateError, bound_output, clean
+from remediator.journal.db import ClaimUnread, JournalError, RunStateError, bound_output, clean
 from remediator.journal.events import Events
 from remediator.journal.outbox import Outbox
 from remediator.journal.records import AlertRecord, ReportLike, RunRecord, StepRecord, UndoRecord
@@ -106,11 +106,15 @@ class Runs(Outbox, Events):
         # Read back after the claim's commit, outside the one writer: a claimed run is this
         # replica's, and nothing but its owner changes it, so the record cannot be stale, and
         # the next webhook's admission does not wait behind these reads (bench/webhook.py).
-        return self._tx(
-            "read a claimed run",
-            lambda conn: self._select_runs(conn, runs.c.id == claimed)[0],
-            write=False,
-        )
+        try:
+            return self._tx(
+                "read a claimed run",
+                lambda conn: self._select_runs(conn, runs.c.id == claimed)[0],
+                write=False,
+            )
+        except JournalError as exc:
+            # Claimed, but no worker will hold it: say which run, so it is taken back.
+            raise ClaimUnread(str(exc), claimed) from exc
 
     def claim_run(self, run_id: int) -> RunRecord | None:
         """Claim this pending run; None if it is not pending any more.

@@ -115,7 +115,8 @@ lab: deps venv
 	$(BIN)/pytest -m lab -s -p no:cacheprovider tests/test_lab.py tests/test_lab_hosts.py \
 		tests/test_lab_degraded.py
 
-## make reliability: hostile webhooks, hostile exporter data and crashes at full size
+## make reliability: hostile webhooks, hostile exporter data, crashes, dependencies failing,
+## HA, load and soak at full size
 ## (tests/reliability/, GPUFLEET_RELIABILITY=full), one table of figures at the end; it fails on
 ## any loss, duplicate action or wrong action. `make test` runs the same suites at a short size.
 reliability: deps venv

@@ -81,13 +81,7 @@ class Recovery(Rails):
                 .where(runs.c.owner == self.replica_id, runs.c.state.in_(("claimed", "running")))
                 .order_by(runs.c.id)
             ).all()
-            claimed = [row.id for row in mine if row.state == "claimed"]
-            if claimed:
-                conn.execute(
-                    sa.update(runs)
-                    .where(runs.c.id.in_(claimed), runs.c.state == "claimed")
-                    .values(state="pending", owner=None, claimed_at=None)
-                )
+            self._unclaim(conn, [row.id for row in mine if row.state == "claimed"])
             running = [int(row.id) for row in mine if row.state == "running"]
             why = f"was executing when replica {self.replica_id} stopped"
             interrupted = self._interrupt(conn, running, why)
@@ -105,6 +99,15 @@ class Recovery(Rails):
             return interrupted
 
         return self._tx("recover interrupted runs", body)
+
+    def _unclaim(self, conn: Connection, claimed: Sequence[int]) -> None:
+        """Claimed runs no worker decides any more go back to `pending`, owned by nobody."""
+        if claimed:
+            conn.execute(
+                sa.update(runs)
+                .where(runs.c.id.in_(list(claimed)), runs.c.state == "claimed")
+                .values(state="pending", owner=None, claimed_at=None)
+            )
 
     def recover_orphans(self, run_ids: Sequence[int]) -> list[int]:
         """This replica's runs a journal failure cut short in a worker, taken back now.
@@ -124,13 +127,7 @@ class Recovery(Rails):
                     runs.c.state.in_(("claimed", "running")),
                 )
             ).all()
-            claimed = [row.id for row in mine if row.state == "claimed"]
-            if claimed:
-                conn.execute(
-                    sa.update(runs)
-                    .where(runs.c.id.in_(claimed), runs.c.state == "claimed")
-                    .values(state="pending", owner=None, claimed_at=None)
-                )
+            self._unclaim(conn, [row.id for row in mine if row.state == "claimed"])
             running = [int(row.id) for row in mine if row.state == "running"]
             why = f"lost its journal on replica {self.replica_id} while executing"
             return self._interrupt(conn, running, why)

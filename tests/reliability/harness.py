@@ -22,6 +22,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import sqlalchemy as sa
+
 from tests.reliability.strategies import firing_fixture
 
 
@@ -151,3 +153,16 @@ def journaled_group_keys(path: Path) -> set[str]:
 def dumps(payload: Any) -> bytes:
     """A notification as Alertmanager sends it: compact JSON."""
     return json.dumps(payload).encode()
+
+
+def journal_rows(url: str, sql: str) -> list[Any]:
+    """Rows of a query on a journal (SQLite or PostgreSQL), read outside the remediator."""
+    # The remediator names psycopg 3 itself; SQLAlchemy's default PostgreSQL driver is psycopg2.
+    engine = sa.create_engine(
+        url.replace("postgresql://", "postgresql+psycopg://", 1), poolclass=sa.pool.NullPool
+    )
+    try:
+        with engine.connect() as conn:
+            return list(conn.execute(sa.text(sql)))
+    finally:
+        engine.dispose()

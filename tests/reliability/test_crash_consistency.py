@@ -35,12 +35,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import sqlalchemy as sa
 
 from tests.llama_lab import free_port, wait_until
 from tests.pg import throwaway_database
 from tests.reliability.figures import Figures, sized
-from tests.reliability.harness import CountingServers, dumps, notification, post
+from tests.reliability.harness import CountingServers, dumps, journal_rows, notification, post
 from tests.remediator_lab import write_setup
 from tests.test_host_actions import LiteLlmStandIn
 from tests.test_notify_e2e import zulip_config
@@ -151,18 +150,6 @@ def _journal_url(kind: str, tmp_path: Path) -> Iterator[str]:
             yield url
 
 
-def _rows(url: str, sql: str) -> list[Any]:
-    # The remediator names psycopg 3 itself; SQLAlchemy's default PostgreSQL driver is psycopg2.
-    engine = sa.create_engine(
-        url.replace("postgresql://", "postgresql+psycopg://", 1), poolclass=sa.pool.NullPool
-    )
-    try:
-        with engine.connect() as conn:
-            return list(conn.execute(sa.text(sql)))
-    finally:
-        engine.dispose()
-
-
 @pytest.mark.parametrize("journal", ["sqlite", "postgresql"])
 def test_sigkill_during_a_storm_loses_nothing_and_acts_once(
     tmp_path: Path, figures: Figures, journal: str
@@ -212,8 +199,8 @@ def test_sigkill_during_a_storm_loses_nothing_and_acts_once(
             answered = list(storm.answered)
 
             def settled() -> bool:
-                states = _rows(url, "SELECT state, wait_reason FROM runs")
-                outbox = _rows(url, "SELECT state FROM outbox WHERE state != 'sent'")
+                states = journal_rows(url, "SELECT state, wait_reason FROM runs")
+                outbox = journal_rows(url, "SELECT state FROM outbox WHERE state != 'sent'")
                 # A run judged again after its interruption waits out the cooldown: decided.
                 return not outbox and all(
                     s == "done" or (s == "pending" and w == "cooldown") for s, w in states
@@ -225,14 +212,15 @@ def test_sigkill_during_a_storm_loses_nothing_and_acts_once(
             model.close()
             proxy.close()
         journaled = {
-            r[0] for r in _rows(url, "SELECT group_key FROM notifications WHERE rejected IS NULL")
+            r[0]
+            for r in journal_rows(url, "SELECT group_key FROM notifications WHERE rejected IS NULL")
         }
-        runs = _rows(
+        runs = journal_rows(
             url,
             "SELECT r.id, r.state, r.outcome, a.fingerprint FROM runs r "
             "JOIN alerts a ON a.id = r.alert_id",
         )
-        outbox = _rows(url, "SELECT id, run_id, state, content FROM outbox")
+        outbox = journal_rows(url, "SELECT id, run_id, state, content FROM outbox")
         messages = [*zulip.stream_messages(), *zulip.direct_messages()]
     lost = [g for g in answered if g not in journaled]
     occurrences = {g.split("-")[1] for g in answered}

@@ -51,13 +51,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import sqlalchemy as sa
 
 from tests.llama_lab import LabError, free_port, wait_until
 from tests.pg import throwaway_database
 from tests.prometheus_lab import PrometheusServer
 from tests.reliability.figures import Figures, sized
-from tests.reliability.harness import CountingServers, dumps, notification, post
+from tests.reliability.harness import CountingServers, dumps, journal_rows, notification, post
 from tests.remediator_lab import Setup, write_setup
 from tests.ssh_lab import SshLab, keygen, node_forced_command, write_wrapper
 from tests.systemctl_stand_in import SystemctlStandIn
@@ -275,18 +274,6 @@ def drain_setup(
     return setup
 
 
-def rows(url: str, sql: str) -> list[Any]:
-    """Rows of a query on the journal (SQLite or PostgreSQL), outside the remediator."""
-    engine = sa.create_engine(
-        url.replace("postgresql://", "postgresql+psycopg://", 1), poolclass=sa.pool.NullPool
-    )
-    try:
-        with engine.connect() as conn:
-            return list(conn.execute(sa.text(sql)))
-    finally:
-        engine.dispose()
-
-
 def markers(zulip: ZulipStandIn) -> Counter[int]:
     """How many Zulip messages carry each report's marker line."""
     messages = [*zulip.stream_messages(), *zulip.direct_messages()]
@@ -330,10 +317,10 @@ def test_zulip_down_rate_limiting_lost_answers_and_5xx_first_contact(
         url = f"sqlite:///{tmp_path / 'journal.db'}"
 
         def unsent() -> int:
-            return len(rows(url, "SELECT id FROM outbox WHERE state != 'sent'"))
+            return len(journal_rows(url, "SELECT id FROM outbox WHERE state != 'sent'"))
 
         def reports() -> int:
-            return len(rows(url, "SELECT id FROM outbox"))
+            return len(journal_rows(url, "SELECT id FROM outbox"))
 
         log = tmp_path / "remediator.log"
         replica = Replica(setup, port, log).start()
@@ -395,7 +382,7 @@ def test_zulip_down_rate_limiting_lost_answers_and_5xx_first_contact(
             model.close()
         sent = markers(zulip)
         found_again = log.read_text(errors="replace").count("was already in Zulip")
-        outbox = rows(url, "SELECT id, state FROM outbox")
+        outbox = journal_rows(url, "SELECT id, state FROM outbox")
         requests = list(zulip.requests)
     # No request while a Retry-After runs: the two forced 429s said 1.5 s each.
     early = 0
@@ -477,7 +464,7 @@ def test_postgresql_cut_mid_run_loses_nothing_and_acts_once(
                 poster.join()
 
                 def settled() -> bool:
-                    states = rows(direct, "SELECT state, wait_reason FROM runs")
+                    states = journal_rows(direct, "SELECT state, wait_reason FROM runs")
                     return len(states) >= len(names) and all(
                         s == "done" or (s == "pending" and w == "cooldown") for s, w in states
                     )
@@ -487,20 +474,23 @@ def test_postgresql_cut_mid_run_loses_nothing_and_acts_once(
                 try:
                     wait_until(settled, 120, what="every run ended after the cuts")
                 except LabError as exc:
-                    open_runs = rows(direct, "SELECT id, state, owner, heartbeat_at FROM runs "
-                                     "WHERE state IN ('claimed', 'running')")  # fmt: skip
+                    open_runs = journal_rows(
+                        direct,
+                        "SELECT id, state, owner, heartbeat_at FROM runs "
+                        "WHERE state IN ('claimed', 'running')",
+                    )
                     raise AssertionError(f"{exc}: {open_runs}\n{replica.tail()}") from None
                 stuck = settle_threads(replica, baseline)
         finally:
             replica.stop()
             model.close()
             proxy.close()
-        runs = rows(
+        runs = journal_rows(
             direct,
             "SELECT r.id, r.state, r.outcome, a.fingerprint FROM runs r "
             "JOIN alerts a ON a.id = r.alert_id",
         )
-        journaled = {r[0] for r in rows(direct, "SELECT group_key FROM notifications "
+        journaled = {r[0] for r in journal_rows(direct, "SELECT group_key FROM notifications "
                                                 "WHERE rejected IS NULL")}  # fmt: skip
     lost = [g for g in poster.answered if g not in journaled]
     with_run = {int(r[3], 16) for r in runs}
@@ -841,7 +831,7 @@ def test_litellm_refusing_the_unblock_is_journaled_and_calls_people(
                 wait_until(lambda: bool(run_of("l2")), 60, what="l2's run")
                 poster.join()
                 wait_until(
-                    lambda: not rows(url, "SELECT id FROM outbox WHERE state != 'sent'"),
+                    lambda: not journal_rows(url, "SELECT id FROM outbox WHERE state != 'sent'"),
                     60,
                     what="every report sent",
                 )
@@ -851,7 +841,7 @@ def test_litellm_refusing_the_unblock_is_journaled_and_calls_people(
         finally:
             model.close()
             proxy.close()
-        undos = rows(url, "SELECT run_id, state, output FROM undos")
+        undos = journal_rows(url, "SELECT run_id, state, output FROM undos")
         messages = [m.content for m in [*zulip.stream_messages(), *zulip.direct_messages()]]
     by_run = {r["id"]: n for n, r in runs.items()}
     undo_state = {by_run[int(run_id)]: (state, output) for run_id, state, output in undos}

@@ -66,8 +66,8 @@ from tests.llama_lab import free_port, wait_until
 from tests.pg import throwaway_database
 from tests.prometheus_lab import PrometheusServer
 from tests.reliability.figures import Figures, sized
-from tests.reliability.harness import CountingServers, dumps, notification, post
-from tests.reliability.test_crash_consistency import MASTER_KEY, _roster, _rows
+from tests.reliability.harness import CountingServers, dumps, journal_rows, notification, post
+from tests.reliability.test_crash_consistency import MASTER_KEY, _roster
 from tests.remediator_lab import drop_test_playbooks, write_setup
 from tests.test_host_actions import LiteLlmStandIn
 from tests.test_notify_e2e import zulip_config
@@ -259,7 +259,7 @@ class _Journal:
         self.url = url
 
     def runs(self) -> list[dict[str, Any]]:
-        rows = _rows(
+        rows = journal_rows(
             self.url,
             "SELECT r.id, r.state, r.outcome, r.owner, r.started_at, r.wait_reason, "
             "r.disruptive, a.id, a.labels FROM runs r JOIN alerts a ON a.id = r.alert_id "
@@ -369,9 +369,11 @@ def test_a_replica_killed_or_stopped_mid_run_loses_nothing_and_nothing_runs_twic
                            what="every alert decided, every report sent")  # fmt: skip
                 posts = prometheus.posts
             runs = journal.runs()
-            outbox = _rows(url, "SELECT id, run_id, state, content FROM outbox")
-            deliveries = _rows(url, "SELECT replica FROM notifications WHERE rejected IS NULL")
-            takeovers = _rows(url, "SELECT run_id FROM events WHERE kind = 'takeover'")
+            outbox = journal_rows(url, "SELECT id, run_id, state, content FROM outbox")
+            deliveries = journal_rows(
+                url, "SELECT replica FROM notifications WHERE rejected IS NULL"
+            )
+            takeovers = journal_rows(url, "SELECT run_id FROM events WHERE kind = 'takeover'")
             messages = [*zulip.stream_messages(), *zulip.direct_messages()]
             logs = [r.log.read_text(errors="replace") for r in replicas]
         finally:
@@ -583,7 +585,7 @@ def _settled(journal: _Journal, url: str, count: int) -> bool:
     if not all(r["state"] == "done" or (r["state"] == "pending" and r["wait_reason"] in waiting)
                for r in runs):  # fmt: skip
         return False
-    return not _rows(url, "SELECT id FROM outbox WHERE state != 'sent'")
+    return not journal_rows(url, "SELECT id FROM outbox WHERE state != 'sent'")
 
 
 def _connected_to(pid: int, port: int) -> bool:
@@ -637,7 +639,9 @@ def test_a_replica_stopped_between_its_fence_check_and_its_action_acts_no_more(
                     if run is None or run["owner"] not in by_id:
                         return False
                     owner = by_id[run["owner"]]
-                    steps = _rows(url, f"SELECT idx FROM steps WHERE run_id = {int(run['id'])}")
+                    steps = journal_rows(
+                        url, f"SELECT idx FROM steps WHERE run_id = {int(run['id'])}"
+                    )
                     assert owner.proc is not None
                     if steps or not _connected_to(owner.proc.pid, prometheus.port):
                         return False

@@ -334,6 +334,43 @@ def backfill(data: Path, openmetrics: str) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+def lab_alertmanager_config(
+    webhooks: Sequence[str], token_file: Path, *, repeat_interval: str | None = None
+) -> str:
+    """`examples/alertmanager.yml` for the lab: its routes, `group_wait` and `group_interval`
+    1 s, the webhook token from `token_file`, the remediator's receiver sending to every one of
+    `webhooks` (the replicas), and, given, a shorter `repeat_interval` (so every alert arrives
+    more than once)."""
+    text = ALERTMANAGER_EXAMPLE.read_text()
+    text = rewrite(text, f"credentials_file: {INSTALLED_TOKEN}", f"credentials_file: {token_file}")
+    text = rewrite(text, "group_wait: 30s", "group_wait: 1s")
+    text = rewrite(text, "group_interval: 5m", "group_interval: 1s")
+    if repeat_interval is not None:
+        text = rewrite(text, "repeat_interval: 4h", f"repeat_interval: {repeat_interval}")
+    config = yaml.safe_load(text)
+    receiver = next(r for r in config["receivers"] if r["name"] == "gpu-fleet-remediator")
+    (hook,) = receiver["webhook_configs"]
+    receiver["webhook_configs"] = [{**hook, "url": url} for url in webhooks]
+    return yaml.safe_dump(config, sort_keys=False)
+
+
+def alertmanager_cluster(count: int) -> list[list[str]]:
+    """Each Alertmanager's `--cluster.*` flags: one alone (no gossip), or a pair gossiping on
+    loopback, each the other's peer."""
+    if count == 1:
+        return [["--cluster.listen-address="]]
+    gossip = [free_port() for _ in range(count)]
+    return [
+        [
+            f"--cluster.listen-address=127.0.0.1:{port}",
+            f"--cluster.advertise-address=127.0.0.1:{port}",
+            *(f"--cluster.peer=127.0.0.1:{peer}" for peer in gossip if peer != port),
+            "--cluster.peer-timeout=2s",  # lab time: 15 s in production
+        ]
+        for port in gossip
+    ]
+
+
 def _get(url: str, token: str | None = None) -> Any:
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10) as r:
@@ -538,25 +575,13 @@ class Lab:
         )
         self.exporter = MetricsServer(registry, "127.0.0.1", 0)
         self.exporter.start()
-        text = ALERTMANAGER_EXAMPLE.read_text()
-        webhook = f"http://127.0.0.1:{self.replica.port}/webhook/alertmanager"
-        text = rewrite(text, "url: http://127.0.0.1:9095/webhook/alertmanager", f"url: {webhook}")
         token = self.tmp / "alertmanager.token"
         token.write_text(self.setup.webhook_token + "\n")
-        text = rewrite(text, f"credentials_file: {INSTALLED_TOKEN}", f"credentials_file: {token}")
-        text = rewrite(text, "group_wait: 30s", "group_wait: 1s")
-        text = rewrite(text, "group_interval: 5m", "group_interval: 1s")
-        if self.ha:
-            text = rewrite(text, "repeat_interval: 4h", "repeat_interval: 2s")
-        if len(self.replicas) > 1:  # the remediator's receiver sends to every replica
-            config = yaml.safe_load(text)
-            receiver = next(r for r in config["receivers"] if r["name"] == "gpu-fleet-remediator")
-            (hook,) = receiver["webhook_configs"]
-            receiver["webhook_configs"] = [
-                {**hook, "url": f"http://127.0.0.1:{r.port}/webhook/alertmanager"}
-                for r in self.replicas
-            ]
-            text = yaml.safe_dump(config, sort_keys=False)
+        text = lab_alertmanager_config(
+            [f"http://127.0.0.1:{r.port}/webhook/alertmanager" for r in self.replicas],
+            token,
+            repeat_interval="2s" if self.ha else None,
+        )
         self._start_alertmanagers(text)
         targets = [f"127.0.0.1:{manager.port}" for manager in self.alertmanagers]
         alerting: dict[str, Any] = {"alertmanagers": [{"static_configs": [{"targets": targets}]}]}
@@ -604,20 +629,9 @@ class Lab:
 
     def _start_alertmanagers(self, text: str) -> None:
         """One Alertmanager, or (`ha`) a pair gossiping on loopback (each the other's peer)."""
-        count = 2 if self.ha else 1
-        gossip = [free_port() for _ in range(count)]
-        for index in range(count):
+        for index, cluster in enumerate(alertmanager_cluster(2 if self.ha else 1)):
             directory = self.tmp / ("am" if index == 0 else f"am{index + 1}")
             directory.mkdir()
-            cluster = ["--cluster.listen-address="]
-            if self.ha:
-                peer = gossip[1 - index]
-                cluster = [
-                    f"--cluster.listen-address=127.0.0.1:{gossip[index]}",
-                    f"--cluster.advertise-address=127.0.0.1:{gossip[index]}",
-                    f"--cluster.peer=127.0.0.1:{peer}",
-                    "--cluster.peer-timeout=2s",  # lab time: 15 s in production
-                ]
             manager = Alertmanager(directory, text, cluster)
             self.alertmanagers.append(manager)
             manager.start()

@@ -161,6 +161,12 @@ class HealthProbe:
         self._thread.join(10)
 
 
+def done_run(replica: Replica, name: str) -> dict[str, Any]:
+    """The run on server `name` once it is done; {} before (none yet, or still going)."""
+    found = [r for r in replica.runs() if (r["target"] or "").endswith(f"/{name}")]
+    return found[0] if found and found[0]["state"] == "done" else {}
+
+
 def threads_of(replica: Replica) -> int:
     """How many threads the serve process has now."""
     assert replica.proc is not None
@@ -721,10 +727,6 @@ def test_prometheus_unreachable_or_hung_during_verification_is_never_healed(
                 baseline = threads_of(replica)
                 poster = Poster(port, setup.webhook_token)
 
-                def run_of(name: str) -> dict[str, Any]:
-                    found = [r for r in replica.runs() if (r["target"] or "").endswith(f"/{name}")]
-                    return found[0] if found and found[0]["state"] == "done" else {}
-
                 def one(name: str, fault: str) -> dict[str, Any]:
                     poster.post(name, f"{names.index(name):016x}", f"prom-{name}")
                     # The restart (after the still-firing question) is done: now the fault.
@@ -733,11 +735,14 @@ def test_prometheus_unreachable_or_hung_during_verification_is_never_healed(
                         front.cut()
                     elif fault == "hung":
                         process.send_signal(signal.SIGSTOP)
-                    wait_until(lambda: bool(run_of(name)), 60, what=f"{name}'s run to end")
-                    front.restore() if fault == "unreachable" else None
-                    if fault == "hung":
+                    wait_until(
+                        lambda: bool(done_run(replica, name)), 60, what=f"{name}'s run to end"
+                    )
+                    if fault == "unreachable":
+                        front.restore()
+                    elif fault == "hung":
                         process.send_signal(signal.SIGCONT)
-                    return run_of(name)
+                    return done_run(replica, name)
 
                 control = one("m0", "none")
                 unreachable = one("m1", "unreachable")
@@ -815,27 +820,23 @@ def test_litellm_refusing_the_unblock_is_journaled_and_calls_people(
                 baseline = threads_of(replica)
                 poster = Poster(port, setup.webhook_token)
 
-                def run_of(name: str) -> dict[str, Any]:
-                    found = [r for r in replica.runs() if (r["target"] or "").endswith(f"/{name}")]
-                    return found[0] if found and found[0]["state"] == "done" else {}
-
                 # l0: LiteLLM answers the unblock 503; l1: refuses connections at the unblock.
                 poster.post("l0", f"{0:016x}", "litellm-l0")
-                wait_until(lambda: bool(run_of("l0")), 60, what="l0's run")
+                wait_until(lambda: bool(done_run(replica, "l0")), 60, what="l0's run")
                 poster.post("l1", f"{1:016x}", "litellm-l1")
                 wait_until(lambda: model.count("l1", "/restart") == 1, 30, what="l1 restarted")
                 front.cut()
-                wait_until(lambda: bool(run_of("l1")), 60, what="l1's run")
+                wait_until(lambda: bool(done_run(replica, "l1")), 60, what="l1's run")
                 front.restore()
                 poster.post("l2", f"{2:016x}", "litellm-l2")  # LiteLLM well: nothing else lost
-                wait_until(lambda: bool(run_of("l2")), 60, what="l2's run")
+                wait_until(lambda: bool(done_run(replica, "l2")), 60, what="l2's run")
                 poster.join()
                 wait_until(
                     lambda: not journal_rows(url, "SELECT id FROM outbox WHERE state != 'sent'"),
                     60,
                     what="every report sent",
                 )
-                runs = {n: run_of(n) for n in names}
+                runs = {n: done_run(replica, n) for n in names}
                 events = replica.request("GET", "/api/events?kind=escalation", admin=True)["events"]
                 stuck = settle_threads(replica, baseline)
         finally:

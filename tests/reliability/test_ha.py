@@ -60,8 +60,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
+from tests.lab import alertmanager_cluster, lab_alertmanager_config
 from tests.llama_lab import free_port, wait_until
 from tests.pg import throwaway_database
 from tests.prometheus_lab import PrometheusServer
@@ -72,7 +72,7 @@ from tests.remediator_lab import drop_test_playbooks, write_setup
 from tests.test_host_actions import LiteLlmStandIn
 from tests.test_notify_e2e import zulip_config
 from tests.test_remediator_process import Replica
-from tests.test_wiring import ALERTMANAGER_EXAMPLE, INSTALLED_TOKEN, Alertmanager, rewrite
+from tests.test_wiring import Alertmanager
 from tests.zulip_stand_in import ZulipStandIn
 
 pytestmark = pytest.mark.reliability
@@ -156,27 +156,11 @@ def _alertmanager_pair(tmp_path: Path, webhooks: list[str], token: str) -> list[
     """
     token_file = tmp_path / "alertmanager.token"
     token_file.write_text(token + "\n")
-    text = ALERTMANAGER_EXAMPLE.read_text()
-    text = rewrite(text, f"credentials_file: {INSTALLED_TOKEN}", f"credentials_file: {token_file}")
-    text = rewrite(text, "group_wait: 30s", "group_wait: 1s")
-    text = rewrite(text, "group_interval: 5m", "group_interval: 1s")
-    text = rewrite(text, "repeat_interval: 4h", "repeat_interval: 5s")
-    config = yaml.safe_load(text)
-    receiver = next(r for r in config["receivers"] if r["name"] == "gpu-fleet-remediator")
-    (hook,) = receiver["webhook_configs"]
-    receiver["webhook_configs"] = [{**hook, "url": url} for url in webhooks]
-    text = yaml.safe_dump(config, sort_keys=False)
-    gossip = [free_port(), free_port()]
+    text = lab_alertmanager_config(webhooks, token_file, repeat_interval="5s")
     managers = []
-    for index in range(2):
+    for index, cluster in enumerate(alertmanager_cluster(2)):
         directory = tmp_path / f"am{index + 1}"
         directory.mkdir()
-        cluster = [
-            f"--cluster.listen-address=127.0.0.1:{gossip[index]}",
-            f"--cluster.advertise-address=127.0.0.1:{gossip[index]}",
-            f"--cluster.peer=127.0.0.1:{gossip[1 - index]}",
-            "--cluster.peer-timeout=2s",  # lab time: 15 s in production
-        ]
         managers.append(Alertmanager(directory, text, cluster))
     return managers
 

@@ -138,6 +138,13 @@ class PrometheusServer:
     def __repr__(self) -> str:
         return f"PrometheusServer({self.url}, pid={self._process and self._process.pid})"
 
+    @property
+    def process(self) -> subprocess.Popen[bytes]:
+        """The running Prometheus (for tests that stop or signal it); raises before `start`."""
+        if self._process is None:
+            raise RuntimeError(f"{self!r} was not started")
+        return self._process
+
     # -- life cycle ---------------------------------------------------------------------------
 
     def _config(self) -> dict[str, Any]:

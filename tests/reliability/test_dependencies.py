@@ -719,8 +719,7 @@ def test_prometheus_unreachable_or_hung_during_verification_is_never_healed(
     with PrometheusServer(tmp_path, []) as prometheus, TcpProxy(prometheus.port) as front:
         setup = drain_setup(tmp_path, port, model, None, wait=1.5, verify=PROMQL_VERIFY,
                             prometheus_url=f"http://127.0.0.1:{front.port}")  # fmt: skip
-        process = prometheus._process
-        assert process is not None
+        process = prometheus.process
         try:
             with serving(setup, port, tmp_path / "remediator.log") as replica, \
                     HealthProbe(port) as health:  # fmt: skip

@@ -665,7 +665,5 @@ def test_a_replica_stopped_between_its_fence_check_and_its_action_acts_no_more(
 
 
 def _pid(prometheus: PrometheusServer) -> int:
-    """The Prometheus process's pid (tests/prometheus_lab.py keeps its process to itself)."""
-    process = prometheus._process
-    assert process is not None, "not started"
-    return process.pid
+    """The Prometheus process's pid."""
+    return prometheus.process.pid

@@ -143,8 +143,9 @@ class _Loops:
     def collect(self) -> Iterator[Metric]:
         family = GaugeMetricFamily(
             "gpufleet_remediator_loop_up",
-            "1 while a background loop (a worker, the heartbeat, the Zulip sender, the replica "
-            "id's lease) runs; 0 once it died: /healthz answers 503 then.",
+            "1 while a background loop (a worker, the heartbeat, the Zulip sender, the journal's "
+            "checkpointer, the replica id's lease) runs; 0 once it died: /healthz answers 503 "
+            "then.",
             labels=["loop"],
         )
         states = self._metrics.loop_states

@@ -16,6 +16,7 @@ from remediator.actions.settings import action_settings
 from remediator.config import Credential, RemediatorConfig, load_secrets
 from remediator.engine import Engine, EngineSettings
 from remediator.journal import Journal
+from remediator.journal.checkpoint import LOOP_NAME as CHECKPOINT_LOOP
 from remediator.metrics import RemediatorMetrics
 from remediator.notify.files import ReportFiles
 from remediator.notify.report import Reporter, ReportSettings
@@ -38,15 +39,20 @@ class Services:
     sender: OutboxSender | None = None
 
     def start(self) -> None:
-        """Start the engine's workers and the Zulip sender (`serve`)."""
+        """Start the journal's checkpointer, the engine's workers and the Zulip sender (`serve`)."""
+        self.journal.start_checkpointer(
+            on_error=self.metrics.loop_errors.labels(CHECKPOINT_LOOP).inc
+        )
         if self.engine is not None:
             self.engine.start()
         if self.sender is not None:
             self.sender.start()
 
     def loop_states(self) -> dict[str, bool]:
-        """Every background loop of this process (the engine's, the sender's): alive or not."""
-        states = self.engine.loop_states() if self.engine is not None else {}
+        """Every background loop of this process (the journal's, the engine's, the sender's)."""
+        states = self.journal.loop_states()
+        if self.engine is not None:
+            states.update(self.engine.loop_states())
         if self.sender is not None and self.sender.started:
             states["zulip-sender"] = self.sender.alive
         return states

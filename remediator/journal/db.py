@@ -34,6 +34,12 @@ from sqlalchemy.dialects import sqlite as sqlite_dialect
 from sqlalchemy.engine import URL, Connection, Engine, make_url
 from sqlalchemy.pool import StaticPool
 
+from remediator.journal.checkpoint import (
+    BACKSTOP_PAGES,
+    LOOP_NAME,
+    WalCheckpointer,
+)
+from remediator.journal.checkpoint import INTERVAL_SECONDS as CHECKPOINT_INTERVAL_SECONDS
 from remediator.journal.schema import STEP_OUTPUT_MAX_BYTES, NewerSchemaError, upgrade
 
 T = TypeVar("T")
@@ -223,6 +229,9 @@ class Database:
         # and turned a burst of concurrent webhooks into a long tail (bench/webhook.py).
         # Writers of other processes (a `replay`, a second replica) still meet busy_timeout.
         self._writer: WriterLock | None = None
+        # A file-backed SQLite journal's WAL checkpoints, once `start_checkpointer` is called.
+        self._checkpointer: WalCheckpointer | None = None
+        self._file_backed = False
         try:
             parsed = make_url(url)
         except (sa.exc.ArgumentError, ValueError):
@@ -287,6 +296,7 @@ class Database:
         engine = sa.create_engine(url, **options)
         if not memory:
             self._writer = WriterLock()
+            self._file_backed = True
 
         @sa_event.listens_for(engine, "connect")
         def _on_connect(dbapi_connection: Any, connection_record: Any) -> None:
@@ -310,6 +320,9 @@ class Database:
                 cursor.execute("PRAGMA synchronous = NORMAL")
                 # Per connection, off by default: cascades and SET NULL need it.
                 cursor.execute("PRAGMA foreign_keys = ON")
+                if self._checkpointer is not None:
+                    # The checkpointer copies the WAL back; a commit does so only past this.
+                    cursor.execute(f"PRAGMA wal_autocheckpoint = {BACKSTOP_PAGES}")
             finally:
                 cursor.close()
 
@@ -426,8 +439,37 @@ class Database:
         update = {name: stmt.excluded[name] for name in values if name not in keys}
         return stmt.on_conflict_do_update(index_elements=list(keys), set_=update)
 
+    def start_checkpointer(
+        self,
+        on_error: Callable[[], None] | None = None,
+        *,
+        interval: float = CHECKPOINT_INTERVAL_SECONDS,
+    ) -> WalCheckpointer | None:
+        """Checkpoint a file-backed SQLite journal's WAL in a thread, off the commits' path.
+
+        See `remediator.journal.checkpoint`. Nothing for PostgreSQL or an in-memory journal
+        (None). `on_error` counts a failed checkpoint (the thread goes on).
+        """
+        if not self._file_backed or self._checkpointer is not None:
+            return self._checkpointer
+        self._checkpointer = WalCheckpointer(self._engine, interval=interval, on_error=on_error)
+        # Connections made from now on carry the backstop (`_on_connect`); the ones pooled
+        # before (the schema's, the start-up's) are closed, none being in use yet.
+        self._engine.dispose()
+        self._checkpointer.start()
+        return self._checkpointer
+
+    def loop_states(self) -> dict[str, bool]:
+        """The journal's own background loop, when it runs one: alive or not (`/healthz`)."""
+        if self._checkpointer is None:
+            return {}
+        return {LOOP_NAME: self._checkpointer.alive}
+
     def close(self) -> None:
-        """Close every pooled connection."""
+        """Stop the checkpointer, then close every pooled connection."""
+        if self._checkpointer is not None:
+            self._checkpointer.stop()
+            self._checkpointer = None  # stopped on purpose: not a dead loop
         self._engine.dispose()
 
     def check_writable(self) -> None:

@@ -4,9 +4,9 @@ The engine's workers sleep until a run may be due. With a plain `threading.Event
 ring woke every worker, and each then took the journal's one writer to try a claim: for one
 admitted run, four write transactions, three of them finding nothing, all queued in front of
 the next webhook's admission (which waits for the same writer; issue 12's benchmark). A ring
-here wakes one worker; a worker that claimed a run rings again before it acts (the engine
-does), so a second due run finds a second worker, and the chain stops at the first worker
-that finds nothing. Rings are counted, never lost: a ring while every worker is busy is
+here wakes one worker; a worker whose claim saw a second run due rings again before it acts
+(the engine does), so that run finds a second worker, and the chain stops with the last run
+due. Rings are counted, never lost: a ring while every worker is busy is
 taken by the next worker to look (up to one per worker: a worker that is free looks again
 by itself, so more rings would only be claims that find nothing). `ring_all` is for stopping.
 """

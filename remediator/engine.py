@@ -428,11 +428,14 @@ class Engine:
         self._wake.ring()
 
     def _work_once(self) -> None:
-        if not self._identity_lost and self.process_one():
+        # A read first: the writer (a claim) only when a run is due, so idle workers never
+        # queue in front of an admission (issue 12's benchmark).
+        queue = self.journal.queue_state()
+        if queue.due and not self._identity_lost and self.process_one():
             return
         # Nothing due: sleep until woken, the next waiting run is due, or the poll interval.
         pause = self.settings.poll_seconds
-        due = self.journal.next_due()
+        due = queue.next_due
         if due is not None:
             pause = max(0.05, min(pause, (due - self._clock()).total_seconds()))
         self._wake.wait(pause)
@@ -517,16 +520,18 @@ class Engine:
         if self._stop.is_set() and self._loops:
             return False
         try:
-            run = self.journal.claim_next_run()
+            claim = self.journal.claim_next()
         except ClaimUnread as exc:
             with self._active_lock:
                 self._orphans.add(exc.run_id)  # claimed, never handled: taken back (heartbeat)
             raise
+        if claim.more_due:
+            # Another run is due as well: the next sleeping worker takes it while this one
+            # acts (a ring wakes one worker; the chain ends with the last run due).
+            self._wake.ring()
+        run = claim.run
         if run is None:
             return False
-        # Another run may be due as well: the next sleeping worker looks for it while this
-        # one acts (a ring wakes one worker; the chain ends at one that finds nothing).
-        self._wake.ring()
         try:
             self.handle(run)
         except JournalError:

@@ -16,6 +16,7 @@ in `test_journal_migration.py`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import queue
@@ -34,9 +35,11 @@ import sqlalchemy as sa
 from remediator.alerts import parse_notification
 from remediator.config import Limits
 from remediator.journal import (
+    Claim,
     Journal,
     JournalError,
     QueuedReport,
+    QueueState,
     RunStateError,
     Verdict,
     bound_output,
@@ -474,6 +477,43 @@ def test_claim_takes_the_oldest_due_first_and_a_waiting_run_when_due(
     clock.advance(seconds=30)
     again = claim(journal, first)
     assert again.waiting_since == T0  # it keeps its place in the wait
+
+
+def test_a_claim_says_whether_another_run_is_due(journal: Journal, clock: Clock) -> None:
+    # The engine wakes a second worker only on `more_due`: a claim that saw nothing else due
+    # spares it a write transaction that would find nothing (bench/webhook.py).
+    first, second = admit(journal, alert("a"), alert("b")).new_run_ids
+    assert journal.queue_state() == QueueState(due=True, next_due=None)
+    taken = journal.claim_next()
+    assert (taken.run is not None and taken.run.id, taken.more_due) == (first, True)
+    taken = journal.claim_next()
+    assert (taken.run is not None and taken.run.id, taken.more_due) == (second, False)
+    assert journal.claim_next() == Claim(None, False)
+    # A waiting run is not due: the queue says when it will be.
+    journal.set_paused(True, by="api")
+    verdict = journal.admit_to_act(first, plan())
+    assert journal.queue_state() == QueueState(due=False, next_due=verdict.not_before)
+    clock.advance(seconds=30)
+    assert journal.queue_state() == QueueState(due=True, next_due=verdict.not_before)
+
+
+def test_reading_the_queue_never_waits_for_the_writer(journal_url: str, clock: Clock) -> None:
+    # An idle worker looks at the queue with a read: it never queues for the one SQLite writer
+    # in front of an admission, nor holds PostgreSQL's rails lock.
+    journal = Journal(journal_url, replica_id="r1", clock=clock)
+    try:
+        admit(journal, alert("a"))
+        seen: list[QueueState] = []
+        writer = journal._writer
+        hold = writer.hold(urgent=False) if writer is not None else contextlib.nullcontext()
+        with hold:
+            reader = threading.Thread(target=lambda: seen.append(journal.queue_state()))
+            reader.start()
+            reader.join(5)
+            assert not reader.is_alive(), "the queue's read waited for the writer"
+        assert seen == [QueueState(due=True, next_due=None)]
+    finally:
+        journal.close()
 
 
 def test_run_life_cycle_and_state_errors(

@@ -92,6 +92,22 @@ class RunRecord:
 
 
 @dataclass(frozen=True)
+class QueueState:
+    """The run queue as one read saw it: whether a run is due, and when the next waiting one is."""
+
+    due: bool
+    next_due: datetime | None  # the earliest `not_before` of a waiting run; None: none waits
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A claim: the run taken (None: none was due), and whether another was due beside it."""
+
+    run: RunRecord | None
+    more_due: bool
+
+
+@dataclass(frozen=True)
 class Admission:
     """What admitting one notification did (all of it in one transaction)."""
 

@@ -19,12 +19,20 @@ from sqlalchemy.engine import Connection
 from remediator.journal.db import ClaimUnread, JournalError, RunStateError, bound_output, clean
 from remediator.journal.events import Events
 from remediator.journal.outbox import Outbox
-from remediator.journal.records import AlertRecord, ReportLike, RunRecord, StepRecord, UndoRecord
+from remediator.journal.records import (
+    AlertRecord,
+    Claim,
+    QueueState,
+    ReportLike,
+    RunRecord,
+    StepRecord,
+    UndoRecord,
+)
 from remediator.journal.schema import alerts, notifications, runs, steps, undos
 
 _CLAIM_ATTEMPTS = 20
 # The claim's statements, built once (each worker runs them for every run it takes).
-_DUE_CANDIDATE = (
+_DUE = (
     sa.select(runs.c.id)
     .where(
         runs.c.state == "pending",
@@ -35,7 +43,10 @@ _DUE_CANDIDATE = (
     )
     .order_by(runs.c.not_before.is_not(None), runs.c.id)
     .limit(1)
-    .with_for_update(skip_locked=True)
+)
+_DUE_CANDIDATE = _DUE.with_for_update(skip_locked=True)
+_NEXT_WAITING = sa.select(sa.func.min(runs.c.not_before)).where(
+    runs.c.state == "pending", runs.c.not_before.is_not(None)
 )
 # Runs with their alerts, built once: a new select of ~40 labelled columns per read cost more
 # than the read itself (a claim reads its run back; /api/runs reads many).
@@ -77,37 +88,69 @@ CANCELLABLE = "pending"
 class Runs(Outbox, Events):
     """The runs' SQL."""
 
+    def queue_state(self) -> QueueState:
+        """Whether a run is due now, and when the next waiting run will be: one read.
+
+        A read, never the writer: a worker with nothing to do looks here first, and takes the
+        writer (`claim_next`) only when something is due, so idle workers never queue in front
+        of an admission. A run admitted after this read rings the workers' doorbell itself.
+        """
+
+        def body(conn: Connection) -> QueueState:
+            due = conn.execute(_DUE, {"b_now": self._clock()}).first() is not None
+            return QueueState(due, self._as_time(conn.execute(_NEXT_WAITING).scalar()))
+
+        return self._tx("read the run queue", body, write=False)
+
+    def next_due(self) -> datetime | None:
+        """When the next waiting run is due (None: none waits)."""
+        return self.queue_state().next_due
+
+    def _as_time(self, found: Any) -> datetime | None:
+        if found is None or isinstance(found, datetime):
+            return found
+        # min() over SQLite's text column comes back as text, not through UTCDateTime.
+        return datetime.fromisoformat(str(found)).replace(tzinfo=self._clock().tzinfo)
+
     def claim_next_run(self) -> RunRecord | None:
-        """Take the oldest due pending run (pending -> claimed by this replica); None if none.
+        """Take the oldest due pending run; None if none is due (`claim_next`'s run)."""
+        return self.claim_next().run
+
+    def claim_next(self) -> Claim:
+        """Take the oldest due pending run (pending -> claimed by this replica).
 
         Due: admitted and not waiting, or waiting with its `not_before` passed. A conditional
         UPDATE (… WHERE state = 'pending') whose row count says whether this replica won; a
         loser tries the next candidate. On PostgreSQL the candidate is read with FOR UPDATE
         SKIP LOCKED, so concurrent claimers do not even queue on one row; on SQLite the write
-        transaction (BEGIN IMMEDIATE) already serialises them.
+        transaction (BEGIN IMMEDIATE) already serialises them. The same transaction looks for
+        a second due run (`more_due`): only then does the engine wake another worker, instead
+        of one more claim that finds nothing.
         """
 
-        def body(conn: Connection) -> int | None:
+        def body(conn: Connection) -> tuple[int | None, bool]:
             now = self._clock()
             for _ in range(_CLAIM_ATTEMPTS):
                 candidate = conn.execute(_DUE_CANDIDATE, {"b_now": now}).scalar_one_or_none()
                 if candidate is None:
-                    return None
+                    return None, False
                 won = conn.execute(
                     _CLAIM, {"b_id": candidate, "b_owner": self.replica_id, "b_now": now}
                 ).rowcount
                 if won == 1:
-                    return int(candidate)
-            return None
+                    more = conn.execute(_DUE_CANDIDATE, {"b_now": now}).first() is not None
+                    return int(candidate), more
+            # Lost every race: others are claiming, so runs are still there to look at.
+            return None, True
 
-        claimed = self._tx("claim a run", body)
+        claimed, more_due = self._tx("claim a run", body)
         if claimed is None:
-            return None
+            return Claim(None, more_due)
         # Read back after the claim's commit, outside the one writer: a claimed run is this
         # replica's, and nothing but its owner changes it, so the record cannot be stale, and
         # the next webhook's admission does not wait behind these reads (bench/webhook.py).
         try:
-            return self._tx(
+            run = self._tx(
                 "read a claimed run",
                 lambda conn: self._select_runs(conn, runs.c.id == claimed)[0],
                 write=False,
@@ -115,6 +158,7 @@ class Runs(Outbox, Events):
         except JournalError as exc:
             # Claimed, but no worker will hold it: say which run, so it is taken back.
             raise ClaimUnread(str(exc), claimed) from exc
+        return Claim(run, more_due)
 
     def claim_run(self, run_id: int) -> RunRecord | None:
         """Claim this pending run; None if it is not pending any more.
@@ -131,17 +175,6 @@ class Runs(Outbox, Events):
             return self._select_runs(conn, runs.c.id == run_id)[0] if won else None
 
         return self._tx("claim a run", body)
-
-    def next_due(self) -> datetime | None:
-        """When the next waiting run is due (None: none waits); the workers sleep until then."""
-        query = sa.select(sa.func.min(runs.c.not_before)).where(
-            runs.c.state == "pending", runs.c.not_before.is_not(None)
-        )
-        found = self._tx("read the next due run", lambda c: c.execute(query).scalar(), write=False)
-        if found is not None and not isinstance(found, datetime):
-            # min() over SQLite's text column comes back as text, not through UTCDateTime.
-            found = datetime.fromisoformat(str(found)).replace(tzinfo=self._clock().tzinfo)
-        return found
 
     def _transition(
         self,

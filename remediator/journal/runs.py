@@ -138,7 +138,9 @@ class Runs(Outbox, Events):
                     _CLAIM, {"b_id": candidate, "b_owner": self.replica_id, "b_now": now}
                 ).rowcount
                 if won == 1:
-                    more = conn.execute(_DUE_CANDIDATE, {"b_now": now}).first() is not None
+                    # A plain read, not FOR UPDATE: a row locked here would be skipped by the
+                    # other claimers (SKIP LOCKED) without being claimed by this one.
+                    more = conn.execute(_DUE, {"b_now": now}).first() is not None
                     return int(candidate), more
             # Lost every race: others are claiming, so runs are still there to look at.
             return None, True

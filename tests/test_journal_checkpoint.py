@@ -53,7 +53,8 @@ def test_commits_leave_the_log_to_the_checkpointer(tmp_path: Path) -> None:
         plain.close()
     journal = Journal(f"sqlite:///{path}", replica_id="r1")
     try:
-        checkpointer = journal.start_checkpointer(interval=3600)  # never by itself here
+        # Never by itself here: neither the interval nor the commits come.
+        checkpointer = journal.start_checkpointer(interval=3600, commits=10**9)
         assert checkpointer is not None
         assert _autocheckpoint(journal) == BACKSTOP_PAGES
         for index in range(400):
@@ -65,6 +66,27 @@ def test_commits_leave_the_log_to_the_checkpointer(tmp_path: Path) -> None:
         assert (busy, copied) == (0, in_log) and in_log > 1000
         admit(journal, alert("after"))  # the next writer starts the log over
         assert checkpointer.checkpoint()[1] < 50
+    finally:
+        journal.close()
+
+
+def test_a_storm_of_commits_brings_the_checkpoint_forward(tmp_path: Path) -> None:
+    # A second's storm writes thousands of pages: the thread checkpoints every `commits`
+    # commits, so the log stays near SQLite's own 1,000 pages, never up to the backstop.
+    journal = Journal(f"sqlite:///{tmp_path / 'journal.db'}", replica_id="r1")
+    try:
+        checkpointer = journal.start_checkpointer(interval=3600, commits=20)
+        assert checkpointer is not None
+        for index in range(19):
+            admit(journal, alert(f"fp{index}"))
+        time.sleep(0.2)
+        assert checkpointer.checkpoints == 0
+        admit(journal, alert("fp19"))
+        _wait_for(lambda: checkpointer.checkpoints == 1, "the checkpoint of the 20th commit")
+        for index in range(20, 400):
+            admit(journal, alert(f"fp{index}"))
+        _wait_for(lambda: checkpointer.checkpoints >= 19, "a checkpoint every 20 commits")
+        assert checkpointer.checkpoint()[1] < 1000
     finally:
         journal.close()
 
@@ -119,7 +141,7 @@ def test_a_crash_loses_no_admission_still_only_in_the_log(tmp_path: Path) -> Non
         from remediator.journal import Journal
         from tests.journal_lab import admit, alert
         journal = Journal({f"sqlite:///{path}"!r}, replica_id="r1")
-        journal.start_checkpointer(interval=3600)
+        journal.start_checkpointer(interval=3600, commits=10**9)
         for index in range(300):
             admit(journal, alert(f"fp{{index}}"))
         print("admitted", flush=True)

@@ -2,16 +2,26 @@
 
 In WAL mode a commit appends its pages to the write-ahead log; a *checkpoint* copies them back
 into the database file. SQLite's automatic checkpoint runs inside the commit that takes the log
-past 1,000 pages: every few hundred admissions, one webhook's answer waited while 4 MB were
-copied and two fsyncs done (5-9 ms instead of about one, bench/webhook.py).
+past 1,000 pages: every few dozen new alerts or few hundred duplicates, one webhook's answer
+waited while 4 MB were copied and two fsyncs done (5-9 ms instead of about one, bench/webhook.py).
 
-`WalCheckpointer` runs a PASSIVE checkpoint every `interval` seconds on a connection of its own.
+`WalCheckpointer` runs a PASSIVE checkpoint on a connection of its own every `interval` seconds,
+and sooner after `COMMITS` write transactions (a storm writes some 15 pages per admission:
+about SQLite's own 1,000 pages a checkpoint).
 PASSIVE never waits for a lock and never blocks a reader or a writer (it copies what no reader
 still needs and stops there; https://www.sqlite.org/c3ref/wal_checkpoint_v2.html), and the
 pages' copy is no part of a commit's durability: a committed transaction is in the log, which
-is what a crash recovers from. Connections of a process that runs it keep SQLite's automatic
-checkpoint, but far out (`BACKSTOP_PAGES`): should this thread fall behind or die, the log still
-stops growing. `serve` starts it (`Services.start`); `replay` and the tests keep SQLite's default.
+is what a crash recovers from. But SQLite starts the log over only for a writer whose
+transaction *began* with the log copied back whole, and transactions go on during the copy: a
+checkpoint that only ran beside them would let the log grow for ever. So each copy is finished
+with this process's writers held back (`hold_writer`, the journal's `WriterLock`), and the next
+one to begin starts the log over: the bulk, about 5 ms for 1,000 pages, runs beside the
+commits; the rest (nothing, or the few frames appended meanwhile and the fsyncs: well under a
+millisecond) is all a writer may wait for.
+
+Connections of a process that runs it keep SQLite's automatic checkpoint, but far out
+(`BACKSTOP_PAGES`): should this thread fall behind or die, the log still stops growing.
+`serve` starts it (`Services.start`); `replay` and the tests keep SQLite's default.
 """
 
 from __future__ import annotations
@@ -19,30 +29,38 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 from sqlalchemy.engine import Engine
 
 log = logging.getLogger(__name__)
 
-BACKSTOP_PAGES = 10_000  # about 40 MB of log: far beyond what a second of a storm writes
+BACKSTOP_PAGES = 10_000  # about 40 MB of log: ten times what the thread lets it reach
 INTERVAL_SECONDS = 1.0
+COMMITS = 64
 LOOP_NAME = "journal-checkpoint"
 
 
 class WalCheckpointer:
-    """A thread that checkpoints the journal's WAL every `interval` seconds until stopped."""
+    """A thread that checkpoints the journal's WAL every `interval` seconds or `commits` commits."""
 
     def __init__(
         self,
         engine: Engine,
+        hold_writer: Callable[[], AbstractContextManager[object]],
         *,
         interval: float = INTERVAL_SECONDS,
+        commits: int = COMMITS,
         on_error: Callable[[], None] | None = None,
     ) -> None:
         self._engine = engine
+        self._hold_writer = hold_writer
         self._interval = interval
+        self._commits_per_checkpoint = commits
         self._on_error = on_error
         self._stop = threading.Event()
+        self._due = threading.Event()
+        self._commits = 0
         self._thread = threading.Thread(target=self._loop, name=LOOP_NAME, daemon=True)
         self.checkpoints = 0
         """PASSIVE checkpoints done so far."""
@@ -51,9 +69,18 @@ class WalCheckpointer:
         """Checkpoint in the background from now on."""
         self._thread.start()
 
+    def committed(self) -> None:
+        """A write transaction committed: after `COMMITS` of them, checkpoint now."""
+        # Unlocked: a count off by one only moves a checkpoint by a commit.
+        self._commits += 1
+        if self._commits >= self._commits_per_checkpoint:
+            self._commits = 0
+            self._due.set()
+
     def stop(self, timeout: float = 10.0) -> None:
         """Stop after the checkpoint in flight."""
         self._stop.set()
+        self._due.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
 
@@ -63,7 +90,19 @@ class WalCheckpointer:
         return self._thread.is_alive()
 
     def checkpoint(self) -> tuple[int, int, int]:
-        """One PASSIVE checkpoint: (busy, pages in the log, pages copied back), as SQLite says."""
+        """Copy the log back: (busy, pages in the log, pages copied back), as SQLite says.
+
+        A PASSIVE checkpoint beside the commits, then another with this process's writers held
+        back (it copies what they appended meanwhile), so that the next writer to begin finds
+        the log copied back whole and starts it over.
+        """
+        self._passive()
+        with self._hold_writer():
+            busy, in_log, copied = self._passive()
+        self.checkpoints += 1
+        return busy, in_log, copied
+
+    def _passive(self) -> tuple[int, int, int]:
         raw = self._engine.raw_connection()
         try:
             # Not in a transaction: the connections are in autocommit (`Database`), and a
@@ -73,11 +112,14 @@ class WalCheckpointer:
             ).fetchone()
         finally:
             raw.close()
-        self.checkpoints += 1
         return int(busy), int(in_log), int(copied)
 
     def _loop(self) -> None:
-        while not self._stop.wait(self._interval):
+        while not self._stop.is_set():
+            self._due.wait(self._interval)
+            self._due.clear()
+            if self._stop.is_set():
+                return
             try:
                 self.checkpoint()
             except Exception:

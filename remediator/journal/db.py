@@ -39,6 +39,7 @@ from remediator.journal.checkpoint import (
     LOOP_NAME,
     WalCheckpointer,
 )
+from remediator.journal.checkpoint import COMMITS as CHECKPOINT_COMMITS
 from remediator.journal.checkpoint import INTERVAL_SECONDS as CHECKPOINT_INTERVAL_SECONDS
 from remediator.journal.schema import STEP_OUTPUT_MAX_BYTES, NewerSchemaError, upgrade
 
@@ -396,7 +397,10 @@ class Database:
                 with serial, self._engine.connect() as conn:
                     conn.execution_options(journal_write=write)
                     with conn.begin():
-                        return body(conn)
+                        result = body(conn)
+                    if write and self._checkpointer is not None:
+                        self._checkpointer.committed()
+                    return result
             except sa.exc.DBAPIError as exc:
                 sqlstate = getattr(exc.orig, "sqlstate", None)
                 if sqlstate in _RETRY_SQLSTATES and attempt < ATTEMPTS:
@@ -444,15 +448,25 @@ class Database:
         on_error: Callable[[], None] | None = None,
         *,
         interval: float = CHECKPOINT_INTERVAL_SECONDS,
+        commits: int = CHECKPOINT_COMMITS,
     ) -> WalCheckpointer | None:
         """Checkpoint a file-backed SQLite journal's WAL in a thread, off the commits' path.
 
         See `remediator.journal.checkpoint`. Nothing for PostgreSQL or an in-memory journal
-        (None). `on_error` counts a failed checkpoint (the thread goes on).
+        (None). `on_error` counts a failed checkpoint (the thread goes on); `interval` and
+        `commits`: a checkpoint at least that often.
         """
         if not self._file_backed or self._checkpointer is not None:
             return self._checkpointer
-        self._checkpointer = WalCheckpointer(self._engine, interval=interval, on_error=on_error)
+        writer = self._writer
+        assert writer is not None  # a file-backed SQLite journal has one
+        self._checkpointer = WalCheckpointer(
+            self._engine,
+            lambda: writer.hold(urgent=False),
+            interval=interval,
+            commits=commits,
+            on_error=on_error,
+        )
         # Connections made from now on carry the backstop (`_on_connect`); the ones pooled
         # before (the schema's, the start-up's) are closed, none being in use yet.
         self._engine.dispose()

@@ -249,7 +249,7 @@ def _serve(services: Services) -> int:
         return EXIT_RUNTIME
     assert services.engine is not None
     try:
-        services.start()  # the engine, and the Zulip sender when reports are configured
+        services.start()  # the checkpointer, the engine, and the Zulip sender if reports go out
     except JournalError as exc:  # the journal is down, or another process has our replica id
         server.close()
         print(f"gpu-fleet-remediator: {exc}", file=sys.stderr)

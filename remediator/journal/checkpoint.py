@@ -5,23 +5,22 @@ into the database file. SQLite's automatic checkpoint runs inside the commit tha
 past 1,000 pages: every few dozen new alerts or few hundred duplicates, one webhook's answer
 waited while 4 MB were copied and two fsyncs done (5-9 ms instead of about one, bench/webhook.py).
 
-`WalCheckpointer` runs a PASSIVE checkpoint on a connection of its own every `interval` seconds,
-and sooner after `COMMITS` write transactions (a storm writes some 15 pages per admission:
-about SQLite's own 1,000 pages a checkpoint).
-PASSIVE never waits for a lock and never blocks a reader or a writer (it copies what no reader
-still needs and stops there; https://www.sqlite.org/c3ref/wal_checkpoint_v2.html), and the
-pages' copy is no part of a commit's durability: a committed transaction is in the log, which
-is what a crash recovers from. But SQLite starts the log over only for a writer whose
-transaction *began* with the log copied back whole, and transactions go on during the copy: a
-checkpoint that only ran beside them would let the log grow for ever. So each copy is finished
-with this process's writers held back (`hold_writer`, the journal's `WriterLock`), and the next
-one to begin starts the log over: the bulk, about 5 ms for 1,000 pages, runs beside the
-commits; the rest (nothing, or the few frames appended meanwhile and the fsyncs: well under a
-millisecond) is all a writer may wait for.
+`WalCheckpointer` runs a PASSIVE checkpoint in its own thread every `interval` seconds, and
+sooner after `COMMITS` write transactions (a storm writes some 15 pages per admission: about
+SQLite's own 1,000 pages a checkpoint). PASSIVE never waits for a lock and never blocks a reader
+or a writer (it copies what no reader still needs and stops there;
+https://www.sqlite.org/c3ref/wal_checkpoint_v2.html), and the pages' copy is no part of a
+commit's durability: a committed transaction is in the log, which is what a crash recovers from.
+But SQLite starts the log over only for a writer whose transaction *began* with the log copied
+back whole, and transactions go on during the copy: a checkpoint that only ran beside them would
+let the log grow for ever. So each copy is finished with this process's writers held back
+(`hold_writer`, the journal's `WriterLock`), and the next one to begin starts the log over: the
+bulk, about 5 ms for 1,000 pages, runs beside the commits; the rest (nothing, or the few frames
+appended meanwhile and the fsyncs: well under a millisecond) is all a writer may wait for.
 
 Connections of a process that runs it keep SQLite's automatic checkpoint, but far out
 (`BACKSTOP_PAGES`): should this thread fall behind or die, the log still stops growing.
-`serve` starts it (`Services.start`); `replay` and the tests keep SQLite's default.
+`serve` starts it (`Services.start`); a journal opened otherwise (`replay`) keeps SQLite's default.
 """
 
 from __future__ import annotations
@@ -63,14 +62,14 @@ class WalCheckpointer:
         self._commits = 0
         self._thread = threading.Thread(target=self._loop, name=LOOP_NAME, daemon=True)
         self.checkpoints = 0
-        """PASSIVE checkpoints done so far."""
+        """Checkpoints done so far."""
 
     def start(self) -> None:
         """Checkpoint in the background from now on."""
         self._thread.start()
 
     def committed(self) -> None:
-        """A write transaction committed: after `COMMITS` of them, checkpoint now."""
+        """A write transaction committed: after `commits` of them, checkpoint now."""
         # Unlocked: a count off by one only moves a checkpoint by a commit.
         self._commits += 1
         if self._commits >= self._commits_per_checkpoint:

@@ -499,7 +499,8 @@ def test_a_claim_says_whether_another_run_is_due(journal: Journal, clock: Clock)
 
 def test_reading_the_queue_never_waits_for_the_writer(journal_url: str, clock: Clock) -> None:
     # An idle worker looks at the queue with a read: it never queues for the one SQLite writer
-    # in front of an admission, nor holds PostgreSQL's rails lock.
+    # in front of an admission (held here). PostgreSQL has no such writer: there only the
+    # answer is checked.
     journal = Journal(journal_url, replica_id="r1", clock=clock)
     try:
         admit(journal, alert("a"))

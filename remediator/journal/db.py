@@ -232,7 +232,6 @@ class Database:
         self._writer: WriterLock | None = None
         # A file-backed SQLite journal's WAL checkpoints, once `start_checkpointer` is called.
         self._checkpointer: WalCheckpointer | None = None
-        self._file_backed = False
         try:
             parsed = make_url(url)
         except (sa.exc.ArgumentError, ValueError):
@@ -297,7 +296,6 @@ class Database:
         engine = sa.create_engine(url, **options)
         if not memory:
             self._writer = WriterLock()
-            self._file_backed = True
 
         @sa_event.listens_for(engine, "connect")
         def _on_connect(dbapi_connection: Any, connection_record: Any) -> None:
@@ -456,10 +454,9 @@ class Database:
         (None). `on_error` counts a failed checkpoint (the thread goes on); `interval` and
         `commits`: a checkpoint at least that often.
         """
-        if not self._file_backed or self._checkpointer is not None:
+        writer = self._writer  # a file-backed SQLite journal's, and only its
+        if writer is None or self._checkpointer is not None:
             return self._checkpointer
-        writer = self._writer
-        assert writer is not None  # a file-backed SQLite journal has one
         self._checkpointer = WalCheckpointer(
             self._engine,
             lambda: writer.hold(urgent=False),

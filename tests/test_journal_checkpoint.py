@@ -11,6 +11,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -54,7 +55,7 @@ def test_commits_leave_the_log_to_the_checkpointer(tmp_path: Path) -> None:
     journal = Journal(f"sqlite:///{path}", replica_id="r1")
     try:
         # Never by itself here: neither the interval nor the commits come.
-        checkpointer = journal.start_checkpointer(interval=3600, commits=10**9)
+        checkpointer = journal.start_checkpointer(interval=3600, commits=10**9, restart_pages=1000)
         assert checkpointer is not None
         assert _autocheckpoint(journal) == BACKSTOP_PAGES
         for index in range(400):
@@ -72,10 +73,11 @@ def test_commits_leave_the_log_to_the_checkpointer(tmp_path: Path) -> None:
 
 def test_a_storm_of_commits_brings_the_checkpoint_forward(tmp_path: Path) -> None:
     # A second's storm writes thousands of pages: the thread checkpoints every `commits`
-    # commits, so the log stays near SQLite's own 1,000 pages, never up to the backstop.
+    # commits, so the log is started over soon after it passes `restart_pages` (here 500),
+    # never let grow up to the backstop.
     journal = Journal(f"sqlite:///{tmp_path / 'journal.db'}", replica_id="r1")
     try:
-        checkpointer = journal.start_checkpointer(interval=3600, commits=20)
+        checkpointer = journal.start_checkpointer(interval=3600, commits=20, restart_pages=500)
         assert checkpointer is not None
         for index in range(19):
             admit(journal, alert(f"fp{index}"))
@@ -86,8 +88,59 @@ def test_a_storm_of_commits_brings_the_checkpoint_forward(tmp_path: Path) -> Non
         for index in range(20, 400):
             admit(journal, alert(f"fp{index}"))
         _wait_for(lambda: checkpointer.checkpoints >= 19, "a checkpoint every 20 commits")
+        assert checkpointer.restarts >= 2  # 400 admissions write some 6,000 pages
         assert checkpointer.checkpoint()[1] < 1000
     finally:
+        journal.close()
+
+
+def test_only_a_long_log_holds_the_writers_back(tmp_path: Path) -> None:
+    # The copy beside the commits never waits for a writer: only the one that starts a long
+    # log over does, so an admission waits for a checkpoint once in thousands of pages, not
+    # once every `commits` commits (bench/webhook.py's sequential p99).
+    journal = Journal(f"sqlite:///{tmp_path / 'journal.db'}", replica_id="r1")
+    writer = journal._writer
+    assert writer is not None
+    try:
+        checkpointer = journal.start_checkpointer(interval=3600, commits=10**9, restart_pages=1000)
+        assert checkpointer is not None
+        for index in range(20):
+            admit(journal, alert(f"short{index}"))
+        holding, release = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            with writer.hold(urgent=True):  # an admission in the middle of its transaction
+                holding.set()
+                release.wait(30)
+
+        def checkpoint_while_held() -> tuple[threading.Thread, list[tuple[int, int, int]]]:
+            done: list[tuple[int, int, int]] = []
+            holder = threading.Thread(target=hold)
+            holder.start()
+            assert holding.wait(10)
+            copier = threading.Thread(target=lambda: done.append(checkpointer.checkpoint()))
+            copier.start()
+            copier.join(0.5)
+            return copier, done
+
+        copier, done = checkpoint_while_held()
+        assert not copier.is_alive() and checkpointer.restarts == 0  # finished beside the writer
+        busy, in_log, copied = done[0]
+        assert (busy, copied) == (0, in_log) and 0 < in_log < 1000
+        release.set()
+        holding.clear()
+        release.clear()
+        for index in range(100):
+            admit(journal, alert(f"long{index}"))
+        copier, done = checkpoint_while_held()
+        assert copier.is_alive() and not done  # a log past 1,000 pages: it waits for the writer
+        release.set()
+        copier.join(10)
+        assert done and checkpointer.restarts == 1
+        admit(journal, alert("after"))  # the next writer starts the log over
+        assert checkpointer.checkpoint()[1] < 50
+    finally:
+        release.set()
         journal.close()
 
 

@@ -41,6 +41,7 @@ from remediator.journal.checkpoint import (
 )
 from remediator.journal.checkpoint import COMMITS as CHECKPOINT_COMMITS
 from remediator.journal.checkpoint import INTERVAL_SECONDS as CHECKPOINT_INTERVAL_SECONDS
+from remediator.journal.checkpoint import RESTART_PAGES as CHECKPOINT_RESTART_PAGES
 from remediator.journal.schema import STEP_OUTPUT_MAX_BYTES, NewerSchemaError, upgrade
 
 T = TypeVar("T")
@@ -447,12 +448,14 @@ class Database:
         *,
         interval: float = CHECKPOINT_INTERVAL_SECONDS,
         commits: int = CHECKPOINT_COMMITS,
+        restart_pages: int = CHECKPOINT_RESTART_PAGES,
     ) -> WalCheckpointer | None:
         """Checkpoint a file-backed SQLite journal's WAL in a thread, off the commits' path.
 
         See `remediator.journal.checkpoint`. Nothing for PostgreSQL or an in-memory journal
         (None). `on_error` counts a failed checkpoint (the thread goes on); `interval` and
-        `commits`: a checkpoint at least that often.
+        `commits`: a checkpoint at least that often; `restart_pages`: how long the log grows
+        before a checkpoint holds the writers back to start it over.
         """
         writer = self._writer  # a file-backed SQLite journal's, and only its
         if writer is None or self._checkpointer is not None:
@@ -462,6 +465,7 @@ class Database:
             lambda: writer.hold(urgent=False),
             interval=interval,
             commits=commits,
+            restart_pages=restart_pages,
             on_error=on_error,
         )
         # Connections made from now on carry the backstop (`_on_connect`); the ones pooled

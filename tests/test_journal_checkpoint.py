@@ -111,31 +111,36 @@ def test_only_a_long_log_holds_the_writers_back(tmp_path: Path) -> None:
         def hold() -> None:
             with writer.hold(urgent=True):  # an admission in the middle of its transaction
                 holding.set()
-                release.wait(30)
+                release.wait(60)  # longer than any wait below: only `release` ends it
 
-        def checkpoint_while_held() -> tuple[threading.Thread, list[tuple[int, int, int]]]:
+        def checkpoint_while_held(
+            wait: float,
+        ) -> tuple[threading.Thread, threading.Thread, list[tuple[int, int, int]]]:
+            """Hold the writer, then checkpoint; the holder, the copier, what it returned."""
             done: list[tuple[int, int, int]] = []
+            holding.clear()
+            release.clear()
             holder = threading.Thread(target=hold)
             holder.start()
             assert holding.wait(10)
             copier = threading.Thread(target=lambda: done.append(checkpointer.checkpoint()))
             copier.start()
-            copier.join(0.5)
-            return copier, done
+            copier.join(wait)
+            return holder, copier, done
 
-        copier, done = checkpoint_while_held()
+        holder, copier, done = checkpoint_while_held(wait=10)
         assert not copier.is_alive() and checkpointer.restarts == 0  # finished beside the writer
         busy, in_log, copied = done[0]
         assert (busy, copied) == (0, in_log) and 0 < in_log < 1000
         release.set()
-        holding.clear()
-        release.clear()
+        holder.join(10)
         for index in range(100):
             admit(journal, alert(f"long{index}"))
-        copier, done = checkpoint_while_held()
+        holder, copier, done = checkpoint_while_held(wait=0.5)
         assert copier.is_alive() and not done  # a log past 1,000 pages: it waits for the writer
         release.set()
         copier.join(10)
+        holder.join(10)
         assert done and checkpointer.restarts == 1
         admit(journal, alert("after"))  # the next writer starts the log over
         assert checkpointer.checkpoint()[1] < 50

@@ -9,12 +9,22 @@ external labels (and whatever relabelling added), which `ALERTS` does not have; 
 is "firing" when some `ALERTS{alertstate="firing", alertname=…}` series has labels that are
 all among the alert's own (a subset match), not only on an exact match.
 
+A series that is only `pending` here is the alert's condition holding now in this Prometheus,
+not yet for the rule's `for:`. In an HA pair the other Prometheus evaluates at another offset
+and fires up to an evaluation (and a scrape) interval earlier; its alert reaches the remediator
+while this one still counts the `for:` down. Read as "no longer firing", that ended the run as
+resolved and nothing healed the fault: Alertmanager's repeats of the occurrence were
+duplicates (tests/test_lab_hosts.py, scenario 7, caught it). So pending counts as firing while
+the journal holds the occurrence firing; once Alertmanager sent its resolution, a pending series
+is a new occurrence, not this one. The gap left: a pair drifting apart by more than the rule's
+`for:` (1 minute at least in rules/, against 15 s intervals in the example configuration).
+
 Prometheus cannot tell when it is unreachable, answers an error, or does not evaluate a rule
 of that name at all (the alert comes from another Prometheus, or a test): then the journal's
 state of the occurrence decides, which Alertmanager's resolution updates.
 
 Check by hand: `curl -G http://127.0.0.1:9090/api/v1/query
---data-urlencode 'query=ALERTS{alertstate="firing",alertname="LlamaServerDown"}'`.
+--data-urlencode 'query=ALERTS{alertname="LlamaServerDown"}'` (`alertstate` says which).
 """
 
 from __future__ import annotations
@@ -71,14 +81,23 @@ class FiringCheck:
             if alertname not in self._rule_names():
                 return Firing(journal_firing, "journal", f"{fallback} in the journal (Prometheus "
                               f"evaluates no rule {alertname!r})")  # fmt: skip
-            query = f'ALERTS{{alertstate="firing",alertname={_quote(alertname)}}}'
+            query = f"ALERTS{{alertname={_quote(alertname)}}}"  # firing and pending
             series = query_instant(self._url, query, timeout_seconds=self._timeout)
         except QueryError as exc:
             return Firing(journal_firing, "journal", f"{fallback} in the journal ({exc})")
         wanted = dict(labels)
+        states = set()
         for found in series:
             metric = found.get("metric", {}) if isinstance(found, dict) else {}
             own = {k: v for k, v in metric.items() if k not in ("__name__", "alertstate")}
             if all(wanted.get(k) == v for k, v in own.items()):
-                return Firing(True, "prometheus", "firing in Prometheus")
+                states.add(metric.get("alertstate"))
+        if "firing" in states:
+            return Firing(True, "prometheus", "firing in Prometheus")
+        if "pending" in states and journal_firing:
+            why = "firing in the journal: another Prometheus fired it first"
+            return Firing(True, "prometheus", f"pending in Prometheus, {why}")
+        if "pending" in states:
+            why = "a new occurrence: Alertmanager resolved this one"
+            return Firing(False, "prometheus", f"only pending in Prometheus ({why})")
         return Firing(False, "prometheus", "no longer firing in Prometheus")

@@ -555,7 +555,31 @@ class Lab:
         self, kind: type[BaseException] | None, value: BaseException | None,
         tb: TracebackType | None,
     ) -> None:  # fmt: skip
+        if kind is not None and not issubclass(kind, KeyboardInterrupt):
+            self._print_evidence()
         self.close()
+
+    def _print_evidence(self) -> None:
+        """A scenario failed: what each replica logged and journaled, into the test's output.
+
+        CI shows only the output of a failed test; the lab's phases say where it stopped, this
+        says why (a run ended `resolved` by a lagging Prometheus was found from these lines).
+        """
+        for number, replica in enumerate(self.replicas, start=1):
+            print(f"--- remediator replica {number}: the end of {replica.log.name}", flush=True)
+            with contextlib.suppress(OSError):
+                print(replica.tail(), flush=True)
+            try:
+                runs = replica.runs()
+            except (OSError, ValueError) as exc:
+                print(f"(its runs could not be read: {exc})", flush=True)
+                continue
+            for run in runs:
+                alertname = run.get("alert", {}).get("labels", {}).get("alertname")
+                print(f"run {run.get('id')}: {alertname} {run.get('state')} "
+                      f"{run.get('decision')} {run.get('outcome')}: {run.get('reason')}",
+                      flush=True)  # fmt: skip
+            break  # one journal: the first replica that answers shows every run
 
     def _start(self) -> None:
         subprocess.run(["systemctl", "start", UNIT], check=True, timeout=30)

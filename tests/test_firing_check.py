@@ -24,6 +24,12 @@ groups:
       - alert: LlamaServerDown
         expr: lab_fault == 1
         labels: {severity: critical, category: inference}
+      # The same condition behind a `for:` that never ends in a test: pending throughout, as
+      # in the Prometheus of an HA pair that evaluates after the one that fired.
+      - alert: LlamaServerStuck
+        expr: lab_fault == 1
+        for: 1h
+        labels: {severity: critical, category: inference}
 """
 LABELS = {"alertname": "LlamaServerDown", "host": "dioscuri", "server": "alpha",
           "severity": "critical", "category": "inference"}  # fmt: skip
@@ -39,6 +45,7 @@ def lab_prometheus(tmp_path: Path) -> Iterator[tuple[MetricsEndpoint, Prometheus
         PrometheusServer(tmp_path, [endpoint.target], rule_files=[rules]) as prometheus,
     ):
         prometheus.wait_for('ALERTS{alertname="LlamaServerDown",alertstate="firing"}')
+        prometheus.wait_for('ALERTS{alertname="LlamaServerStuck",alertstate="pending"}')
         yield endpoint, prometheus
 
 
@@ -80,3 +87,37 @@ def test_a_run_whose_alert_prometheus_no_longer_fires_touches_nothing(
         [run] = lab.runs()
         assert run["decision"] == "resolved" and "no longer firing in Prometheus" in run["reason"]
         assert lab.alpha.count("/health") == 0 and lab.alpha.count("/restart") == 0
+
+
+def test_pending_here_counts_while_the_journal_holds_the_alert_firing(
+    tmp_path: Path, lab_prometheus: tuple[MetricsEndpoint, PrometheusServer]
+) -> None:
+    """The HA pair's other Prometheus fired first; this one still counts the `for:` down.
+
+    Read as resolved, the run ended touching nothing, and Alertmanager's repeats of the
+    occurrence were duplicates: the fault was never healed (scenario 7 in the lab).
+    """
+    endpoint, prometheus = lab_prometheus
+    check = FiringCheck(prometheus.url)
+    sent = {**LABELS, "alertname": "LlamaServerStuck", "cluster": "lab", "job": "lab",
+            "instance": endpoint.target}  # fmt: skip
+    ahead = check.check(sent, journal_firing=True)
+    assert (ahead.firing, ahead.source) == (True, "prometheus")
+    assert "pending in Prometheus" in ahead.detail
+    # Alertmanager resolved the occurrence: what is pending now is a new one, not this.
+    after = check.check(sent, journal_firing=False)
+    assert (after.firing, after.source) == (False, "prometheus")
+    assert "only pending" in after.detail
+    other = check.check({**sent, "server": "beta"}, journal_firing=True)
+    assert (other.firing, other.source) == (False, "prometheus")  # not that server's alert
+
+    (tmp_path / "remediator").mkdir()
+    payload = firing(alertname="LlamaServerStuck", fingerprint="b" * 16)
+    payload["alerts"][0]["labels"].update(sent)
+    for lab in make_lab(tmp_path / "remediator", prometheus_url=prometheus.url):
+        assert lab.post(payload).status_code == 200
+        lab.process()
+        [run] = lab.runs()
+        assert run["decision"] != "resolved", run["reason"]
+        assert run["outcome"] == "healed", run
+        assert lab.alpha.count("/restart") == 1

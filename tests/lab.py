@@ -569,11 +569,13 @@ class Lab:
             print(f"--- remediator replica {number}: the end of {replica.log.name}", flush=True)
             with contextlib.suppress(OSError):
                 print(replica.tail(), flush=True)
+        for number, replica in enumerate(self.replicas, start=1):
             try:
                 runs = replica.runs()
             except (OSError, ValueError) as exc:
-                print(f"(its runs could not be read: {exc})", flush=True)
+                print(f"--- replica {number}'s runs could not be read: {exc}", flush=True)
                 continue
+            print(f"--- the journal's runs, read through replica {number}", flush=True)
             for run in runs:
                 alertname = run.get("alert", {}).get("labels", {}).get("alertname")
                 print(f"run {run.get('id')}: {alertname} {run.get('state')} "

@@ -3,7 +3,9 @@
 Prometheus evaluates a real rule over a metric the test switches; the check must follow
 `ALERTS` (with the alert's extra labels, as external labels add them, still matching), fall
 back to the journal for an alert this Prometheus does not evaluate or when it is down, and the
-engine must end a run whose alert Prometheus no longer fires as `resolved`, touching nothing.
+engine must end a run whose alert Prometheus no longer fires as `resolved`, touching nothing —
+but act on one this Prometheus holds `pending` while the journal holds it firing (the other
+Prometheus of an HA pair fired first).
 """
 
 from __future__ import annotations

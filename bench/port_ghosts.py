@@ -47,9 +47,9 @@ from prometheus_client.metrics_core import Metric  # noqa: E402
 
 from exporter.collectors.base import CollectorError  # noqa: E402
 from exporter.collectors.ports import PortsCollector  # noqa: E402
-from exporter.roster import Server  # noqa: E402
 from exporter.sources.procnet import find_holders  # noqa: E402
 from exporter.sources.systemd import UnitsReader  # noqa: E402
+from fleet.roster import Server  # noqa: E402
 from tests.llama_lab import LlamaServer, free_port, write_tiny_model  # noqa: E402
 from tests.scraping import Families  # noqa: E402
 from tests.systemctl_stand_in import BIN, SystemctlStandIn  # noqa: E402

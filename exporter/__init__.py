@@ -1,3 +1,3 @@
-"""gpu-fleet's host side: the exporter, the node helper and the roster they share."""
+"""gpu-fleet's host side: the exporter and the node helper (the roster is in `fleet`)."""
 
 __version__ = "0.1.0"

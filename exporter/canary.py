@@ -55,7 +55,6 @@ from urllib.parse import quote
 from prometheus_client.metrics_core import Metric
 
 from exporter.collectors import catalogue
-from exporter.roster import Canary, Server
 from exporter.sources.bounded import Lanes, Request
 from exporter.sources.http_client import Answer, read_secret
 from exporter.sources.llama_api import (
@@ -65,6 +64,7 @@ from exporter.sources.llama_api import (
     parse_models,
     parse_props,
 )
+from fleet.roster import Canary, Server
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@
 With no roster at the default path (and no `--config`), it detects the hardware and watches no
 servers. A roster that is given but unusable, or a host that cannot be determined, stops the
 start with exit status 2 and a message naming the file and key; so does a web config file
-(`--web.config.file`: TLS and basic auth, see `exporter.webconfig`) with one line per problem.
+(`--web.config.file`: TLS and basic auth, see `fleet.webconfig`) with one line per problem.
 
 `--check-config` runs those checks and nothing else: it reads the files (the roster, the web
 config and the TLS files it names) and exits 0 or 2, without starting NVML, reading a device
@@ -28,10 +28,11 @@ from prometheus_client import CollectorRegistry
 
 from exporter import __version__
 from exporter.exposition import TextWriter
-from exporter.http import MetricsServer, parse_listen_address
+from exporter.http import MetricsServer
 from exporter.registry import ExporterSettings, build_registry
-from exporter.roster import DEFAULT_ROSTER_PATH, Host, RosterError, load_roster, resolve_host_name
-from exporter.webconfig import TLSLoadError, WebConfig, WebConfigError, load_web_config
+from fleet.http_front import parse_listen_address
+from fleet.roster import DEFAULT_ROSTER_PATH, Host, RosterError, load_roster, resolve_host_name
+from fleet.webconfig import TLSLoadError, WebConfig, WebConfigError, load_web_config
 
 log = logging.getLogger("gpu-fleet-exporter")
 
@@ -50,7 +51,7 @@ def _parser() -> argparse.ArgumentParser:
         help=f"the roster (fleet.yaml); default {DEFAULT_ROSTER_PATH}, and without one there, "
         "the exporter detects the hardware and watches no servers",
     )
-    p.add_argument("--host", default=None, help="which roster host this is (see DESIGN.md)")
+    p.add_argument("--host", default=None, help="which roster host this is (see docs/roster.md)")
     p.add_argument(
         "--web.listen-address",
         dest="listen_address",

@@ -32,10 +32,11 @@ from exporter.collectors.selfstats import CollectorOutcome, self_metrics
 from exporter.collectors.server_memory import ServerMemoryCollector
 from exporter.collectors.units import UnitsCollector
 from exporter.collectors.vllm import VllmCollector
-from exporter.gpu_index import GpuIndex, number_host_gpus
-from exporter.roster import Host
 from exporter.sources.nvml import load_backend
+from exporter.sources.pci import number_host_gpus
 from exporter.sources.systemd import UnitsReader
+from fleet.gpu_index import GpuIndex
+from fleet.roster import Host
 
 log = logging.getLogger(__name__)
 

@@ -39,7 +39,7 @@ from datetime import datetime
 from pathlib import Path
 from types import FrameType
 
-from exporter.roster import RosterError, load_roster
+from fleet.roster import RosterError, load_roster
 from remediator.alerts import as_utc
 from remediator.config import ConfigError, RemediatorConfig, load_config
 from remediator.journal import JournalError, RunRecord, RunStateError

@@ -1,6 +1,7 @@
 """The remediator's config file: typed, validated completely at start-up, secrets from files.
 
-The keys are fixed by DESIGN.md ("The remediator's config"); the last block adds keys:
+Every key is documented for operators in docs/remediator-config.md (keys are added, never
+renamed); in short:
 
     listen: 127.0.0.1:9095                    # host:port or [v6]:port (default shown)
     roster: /etc/gpu-fleet/fleet.yaml         # the roster (default shown); must be readable
@@ -98,8 +99,8 @@ from pydantic import (
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
-from exporter.roster import DEFAULT_ROSTER_PATH
-from exporter.yamlfile import load_strict
+from fleet.roster import DEFAULT_ROSTER_PATH
+from fleet.yamlfile import load_strict
 
 _log = logging.getLogger(__name__)
 
@@ -742,7 +743,7 @@ def load_config(path: Path) -> RemediatorConfig:
         problems.append(("admin", same))
     problems += [("ui.password_file", line) for line in _ui_secret_problems(data, base_dir)]
     if config is not None and config.web_config_file is not None:
-        from exporter.webconfig import WebConfigError, load_web_config  # noqa: PLC0415
+        from fleet.webconfig import WebConfigError, load_web_config  # noqa: PLC0415
 
         try:
             load_web_config(config.web_config_file)

@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 
-from exporter.roster import Roster
+from fleet.roster import Roster
 from remediator.actions.power import restore_due_power_caps
 from remediator.actions.registry import (
     ActionContext,

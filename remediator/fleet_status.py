@@ -4,9 +4,9 @@
 fits 100 columns, or `--json`) and by the remediator's page (`remediator/ui.py`) — from:
 
 - Prometheus' HTTP API: one instant query (`remediator.prometheus_api.query_instant`) for the
-  exporter's series the view needs (the README's catalogue: `gpufleet_gpu_*`, `gpufleet_llama_*`,
-  `gpufleet_vllm_*`, `gpufleet_port_ghost`, `gpufleet_unit_active`), the recording rules'
-  `server_model:gpufleet_tokens_per_second:{current,baseline_7d}` and `up{job=
+  exporter's series the view needs (the catalogue, docs/metrics.md: `gpufleet_gpu_*`,
+  `gpufleet_llama_*`, `gpufleet_vllm_*`, `gpufleet_port_ghost`, `gpufleet_unit_active`), the
+  recording rules' `server_model:gpufleet_tokens_per_second:{current,baseline_7d}` and `up{job=
   "gpu-fleet-exporter"}`, narrowed to one `host` with `--host`;
 - the journal: pause (and who set it, why), maintenance windows, open breakers, cooldowns, the
   newest run of each target, runs that wait, the outbox's depth and its failed reports;
@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from exporter.roster import Roster
+from fleet.roster import Roster
 from remediator import prometheus_api
 from remediator.journal import Journal, JournalError, RunRecord
 

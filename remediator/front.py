@@ -13,8 +13,9 @@ socket, never a thread, and never the webhook:
 - enough threads for the webhook's admission and the API at once.
 
 With a web config (`web_config_file`, the exporter's `--web.config.file` format, read by the
-same code: `exporter.webconfig`) that has `tls_server_config`, the app is served by the
-exporter's bounded front (`exporter.http.serve_wsgi`), which does the TLS handshake and reads
+same code: `fleet.webconfig`) that has `tls_server_config`, the app is served by the
+bounded front the exporter uses too (`fleet.http_front.BoundedWsgiServer`), which does the
+TLS handshake and reads
 each request under a deadline on one thread — waitress has no TLS. Its
 `http_server_config.headers` go on every answer; its `basic_auth_users` guard `/metrics`
 (the webhook and the API have their own credentials, `auth` and `admin`; `/healthz` stays open
@@ -35,8 +36,8 @@ from pathlib import Path
 from typing import Any, Protocol
 from wsgiref.types import StartResponse, WSGIApplication, WSGIEnvironment
 
-from exporter.http import BoundedWsgiServer
-from exporter.webconfig import (
+from fleet.http_front import BoundedWsgiServer
+from fleet.webconfig import (
     WWW_AUTHENTICATE,
     BasicAuthChecker,
     TLSContextProvider,

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import timedelta
 
-from exporter.roster import Roster, load_roster
+from fleet.roster import Roster, load_roster
 from remediator.actions.settings import action_settings
 from remediator.config import Credential, RemediatorConfig, load_secrets
 from remediator.engine import Engine, EngineSettings

@@ -70,7 +70,7 @@ class PageCredential:
         self._plain: Credential | None = None
         self._hashed = None
         if BCRYPT_HASH.match(secret):
-            from exporter.webconfig import BasicAuthChecker  # noqa: PLC0415
+            from fleet.webconfig import BasicAuthChecker  # noqa: PLC0415
 
             self._hashed = BasicAuthChecker({settings.username: secret})
         else:

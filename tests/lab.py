@@ -68,7 +68,7 @@ import yaml
 
 from exporter.http import MetricsServer
 from exporter.registry import ExporterSettings, FleetCollector, build_registry
-from exporter.roster import load_roster
+from fleet.roster import load_roster
 from tests.llama_lab import die_with_parent, free_port, http_get, wait_until
 from tests.prometheus_lab import PrometheusServer
 from tests.remediator_lab import drop_test_playbooks, write_setup

@@ -45,8 +45,8 @@ import yaml
 
 from exporter.http import MetricsServer
 from exporter.registry import ExporterSettings, FleetCollector, build_registry
-from exporter.roster import load_roster
 from exporter.sources.nvml_fake import FakeNvml
+from fleet.roster import load_roster
 from tests.lab import lab_playbooks
 from tests.llama_lab import free_port
 from tests.ssh_lab import SshLab, keygen, node_forced_command

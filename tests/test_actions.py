@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from exporter.roster import parse_roster
+from fleet.roster import parse_roster
 from remediator.actions.builtin import HttpProbeParams, PrometheusCheckParams, WaitParams
 from remediator.actions.registry import (
     ActionContext,
@@ -35,8 +35,8 @@ from remediator.actions.registry import (
     render_params,
     run_action,
 )
-from remediator.playbooks.model import Target
 from remediator.prometheus_api import promql_holds
+from remediator.targets import Target
 from tests.llama_lab import free_port
 from tests.prometheus_lab import MetricsEndpoint, PrometheusServer
 

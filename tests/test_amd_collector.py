@@ -13,7 +13,6 @@ from prometheus_client import CollectorRegistry
 
 from exporter.collectors.amd import AmdCollector
 from exporter.collectors.base import GpuCollector
-from exporter.gpu_index import GpuIndex
 from exporter.sources import amdgpu
 from exporter.sources.amdgpu import (
     discover_cards,
@@ -23,6 +22,7 @@ from exporter.sources.amdgpu import (
     udev_cards,
     walk_cards,
 )
+from fleet.gpu_index import GpuIndex
 from tests.golden import assert_golden, exposition
 from tests.scraping import scrape as scrape_once
 from tests.sysfs_tree import (

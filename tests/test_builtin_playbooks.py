@@ -20,7 +20,7 @@ import pytest
 
 from exporter.http import MetricsServer
 from exporter.registry import ExporterSettings, build_registry
-from exporter.roster import load_roster
+from fleet.roster import load_roster
 from remediator.actions.registry import get_action
 from remediator.alerts import Alert
 from remediator.config import load_config

@@ -40,7 +40,7 @@ from flask.testing import FlaskClient
 import remediator.playbooks
 from exporter.http import MetricsServer
 from exporter.registry import ExporterSettings, build_registry
-from exporter.roster import Host, load_roster
+from fleet.roster import Host, load_roster
 from remediator.actions.power import RESTORED, SCHEDULED, pending_restores
 from remediator.config import load_config
 from remediator.service import Services, build_services

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from exporter.roster import DEFAULT_ROSTER_PATH
+from fleet.roster import DEFAULT_ROSTER_PATH
 from tests.llama_lab import free_port
 from tests.sysfs_tree import write_amd_fleet
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from exporter.roster import Roster, load_roster
+from fleet.roster import Roster, load_roster
 from remediator.actions.executors import (
     ExecutorSettings,
     LocalExecutor,

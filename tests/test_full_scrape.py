@@ -1,4 +1,4 @@
-"""The whole exporter over fixtures: README's metric list, the text writer, a mixed-vendor host.
+"""The whole exporter over fixtures: the catalogue's families, the text writer, a mixed-vendor host.
 
 The scrape here is the real registry (`build_registry`) over a sysfs fixture tree with an AMD
 iGPU and a discrete AMD card beside two NVIDIA GPUs from the fake NVML backend (the stand-in
@@ -26,7 +26,7 @@ from exporter.canary import CanaryCollector
 from exporter.collectors.catalogue import CATALOGUE
 from exporter.exposition import TextWriter
 from exporter.registry import ExporterSettings, FleetCollector, build_registry
-from exporter.roster import Host
+from fleet.roster import Host
 from tests.golden import assert_golden
 from tests.llama_lab import StartLlamaServer, wait_until
 from tests.sysfs_tree import (
@@ -133,27 +133,6 @@ def promtool_check(text: str) -> None:
     assert check.returncode == 0, check.stdout + check.stderr
 
 
-def readme_metric_table() -> dict[str, tuple[str, ...]]:
-    """README's metric table: each series and its labels, as the table's columns give them."""
-    text = (REPO / "README.md").read_text()
-    table = text.split("<!-- metrics:begin -->", 1)[1].split("<!-- metrics:end -->", 1)[0]
-    rows = re.findall(r"^\| `(gpufleet_\w+)` \|\s*(?:`([\w,]+)`)?\s*\|", table, flags=re.MULTILINE)
-    assert len(rows) > 30, "README's metric table went missing"
-    return {name: tuple(labels.split(",")) if labels else () for name, labels in rows}
-
-
-def readme_metric_names() -> set[str]:
-    return set(readme_metric_table())
-
-
-def test_readme_table_is_the_catalogue() -> None:
-    """One list of families: README's table gives the catalogue's names and labels, no more."""
-    table = readme_metric_table()
-    assert set(table) == set(CATALOGUE)
-    for name, labels in table.items():
-        assert labels == CATALOGUE[name].labels, name
-
-
 def test_every_collector_makes_its_families_from_the_catalogue() -> None:
     """No collector builds a metric family of its own: help texts and labels cannot drift."""
     offenders = [
@@ -181,7 +160,7 @@ def assert_families_match_the_catalogue(text: str) -> None:
             assert labels == set(spec.labels), (name, sample.labels)
 
 
-def test_readme_lists_exactly_the_series_the_exporter_produces(
+def test_the_catalogue_lists_exactly_the_series_the_exporter_produces(
     tmp_path: Path, llama_server: StartLlamaServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Everything at once: GPUs of both vendors, host chips, a real llama-server generating on
@@ -229,13 +208,14 @@ def test_readme_lists_exactly_the_series_the_exporter_produces(
     }
     # A histogram's samples are listed under the family's name.
     produced = {re.sub(r"_(bucket|sum|count)$", "", n) if "_seconds_" in n else n for n in produced}
-    documented = readme_metric_names()
+    # The catalogue is what docs/metrics.md is generated from (tests/test_docs.py).
+    documented = set(CATALOGUE)
     assert_families_match_the_catalogue(text)
-    assert produced - documented == set(), "produced but not in README.md"
+    assert produced - documented == set(), "produced but not in the catalogue"
     # Router mode's families need a router (llama-server --models-dir): the router test
     # (tests/test_llama_router.py) produces them and checks them against the catalogue.
     router_only = {f"gpufleet_llama_model_{n}" for n in ("info", "state", "exit_code")}
-    assert documented - produced - router_only == set(), "in README.md but not produced"
+    assert documented - produced - router_only == set(), "in the catalogue but not produced"
     promtool_check(text)
 
 

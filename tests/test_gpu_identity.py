@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from exporter.gpu_index import GpuIndex, number_host_gpus, pci_gpus
 from exporter.registry import ExporterSettings, build_registry
-from exporter.roster import load_roster
+from exporter.sources.pci import number_host_gpus, pci_gpus
+from fleet.gpu_index import GpuIndex
+from fleet.roster import load_roster
 from tests.sysfs_tree import (
     apu_spec,
     discrete_spec,
@@ -149,7 +150,7 @@ def test_numbering_is_the_sorted_union_and_fixed_once_made(
     )
     assert numbering == {NVIDIA_BUS: 0, "0000:81:00.0": 1, AMD_BUS: 2}
     # The listed card PCI sysfs lacks is named (a missing card, or a typo in the roster).
-    [warning] = [r for r in caplog.records if r.name == "exporter.gpu_index"]
+    [warning] = [r for r in caplog.records if r.name == "exporter.sources.pci"]
     assert warning.levelname == "WARNING"
     assert warning.getMessage().startswith("the roster lists GPU(s) 0000:81:00.0 that ")
     # A card seen later (hot-plugged, or NVML slower than sysfs lacks) comes after the others.

@@ -33,7 +33,7 @@ from typing import Any
 import pytest
 import redis
 
-from exporter.roster import Roster, load_roster
+from fleet.roster import Roster, load_roster
 from remediator.actions.executors import ExecutorSettings
 from remediator.actions.host import NoParams
 from remediator.actions.integrations import HttpRequestParams, RedisDeleteParams
@@ -49,9 +49,9 @@ from remediator.actions.serving import DrainParams
 from remediator.actions.settings import ActionSettings, RedisOptions
 from remediator.config import load_config
 from remediator.journal import Journal
-from remediator.playbooks.model import Target
 from remediator.prometheus_api import query_instant
 from remediator.service import build_services
+from remediator.targets import Target
 from remediator.web import create_app
 from tests.llama_lab import LlamaServer, StartLlamaServer, start_generation, wait_until
 from tests.prometheus_lab import MetricsEndpoint, PrometheusServer

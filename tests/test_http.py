@@ -18,9 +18,10 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry, Gauge
 
-from exporter.http import MetricsServer, parse_listen_address
+from exporter.http import MetricsServer
 from exporter.registry import ExporterSettings, build_registry
-from exporter.roster import Host
+from fleet.http_front import parse_listen_address
+from fleet.roster import Host
 from tests.sysfs_tree import write_amd_fleet
 
 
@@ -225,7 +226,7 @@ def test_an_oversized_or_garbled_head_is_refused() -> None:
 def test_a_body_trickling_in_is_cut_at_the_same_deadline() -> None:
     # What a worker reads after the head (a body, for an app that reads one) shares the
     # connection's deadline: a byte every 0.1 s does not keep the read alive past it.
-    from exporter.http import _DeadlineReader
+    from fleet.http_front import _DeadlineReader
 
     ours, peer = socket.socketpair()
     stop = threading.Event()
@@ -256,7 +257,7 @@ def test_an_answer_leaves_in_one_write(server: MetricsServer) -> None:
     # wsgiref writes the status line, two headers, the rest of the headers and the body one
     # by one; the worker buffers them so the scraper gets one write, not five. A seqpacket
     # pair keeps each sendall a message of its own, so the writes can be counted.
-    from exporter.http import _Handler, _Pending
+    from fleet.http_front import _Handler, _Pending
 
     ours, peer = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     request = b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n"

@@ -19,7 +19,7 @@ from prometheus_client.metrics_core import Metric
 from exporter.canary import CanaryCollector, CanaryProbe
 from exporter.collectors.base import CollectorError
 from exporter.collectors.llama import LlamaCollector
-from exporter.roster import Canary, Server
+from fleet.roster import Canary, Server
 from tests.llama_lab import StartLlamaServer, free_port, wait_until
 from tests.vllm_stand_in import VllmStandIn
 

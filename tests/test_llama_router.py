@@ -21,7 +21,7 @@ import pytest
 from exporter.canary import CanaryProbe
 from exporter.collectors import catalogue
 from exporter.collectors.llama import LlamaCollector
-from exporter.roster import Canary
+from fleet.roster import Canary
 from remediator.actions.registry import StepResult
 from remediator.actions.serving import CanaryParams, canary_benchmark
 from remediator.actions.settings import ActionSettings

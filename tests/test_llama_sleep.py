@@ -17,7 +17,7 @@ import pytest
 
 from exporter.canary import CanaryProbe
 from exporter.collectors.llama import LlamaCollector
-from exporter.roster import Canary
+from fleet.roster import Canary
 from tests.llama_lab import LlamaServer, StartLlamaServer, get_json, wait_until
 from tests.tcp_proxy import TcpProxy
 from tests.test_llama_collector import Scrape, entry

@@ -32,7 +32,8 @@ FORBIDDEN_PACKAGES = (
 FORBIDDEN_MODULES = (
     "exporter.http",
     "exporter.exposition",
-    "exporter.webconfig",
+    "fleet.http_front",
+    "fleet.webconfig",
     "exporter.registry",
     "exporter.cli",
     "exporter.canary",
@@ -75,4 +76,5 @@ def test_the_probe_sees_the_exporter_stack_where_it_is() -> None:
     # check above cannot pass merely because the probe sees nothing.
     found = loaded_by("exporter.cli")
     assert "prometheus_client" in found and "exporter.http" in found
-    assert "exporter.exposition" in found and "exporter.webconfig" in found
+    assert "exporter.exposition" in found and "fleet.webconfig" in found
+    assert "fleet.http_front" in found

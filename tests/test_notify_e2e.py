@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 
 from remediator.engine import Engine, alert_of
-from remediator.playbooks.model import Target, resolve_target
+from remediator.playbooks.model import resolve_target
+from remediator.targets import Target
 from tests.test_remediator import Lab, firing, fixture, make_lab
 from tests.zulip_stand_in import ZulipStandIn
 

@@ -34,7 +34,7 @@ import pytest
 import yaml
 from PIL import Image
 
-from exporter.roster import Roster
+from fleet.roster import Roster
 from remediator.journal import AlertRecord, RunRecord, StepRecord
 from remediator.notify import graph
 from remediator.notify.graph import (

@@ -14,7 +14,7 @@ from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from urllib.parse import unquote
 
-from exporter.roster import Roster
+from fleet.roster import Roster
 from remediator.journal import AlertRecord, RunRecord, StepRecord
 from remediator.notify.markdown import code, evidence_block, fit, fit_topic, inline
 from remediator.notify.report import (

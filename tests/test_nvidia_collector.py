@@ -16,8 +16,8 @@ import yaml
 
 from exporter.collectors.base import GpuCollector
 from exporter.collectors.nvidia import NvidiaCollector
-from exporter.gpu_index import GpuIndex
 from exporter.sources.nvml_fake import FakeNvml
+from fleet.gpu_index import GpuIndex
 from tests.golden import assert_golden, exposition
 from tests.scraping import scrape
 

@@ -22,10 +22,10 @@ import pynvml
 import pytest
 
 from exporter.collectors.nvidia import NvidiaCollector
-from exporter.gpu_index import GpuIndex
 from exporter.sources import nvml
 from exporter.sources.nvml import NvmlBackend, field_value, handle_key, load_backend, pci_id
 from exporter.sources.nvml_fake import FakeNvml, ScenarioError, load_scenario
+from fleet.gpu_index import GpuIndex
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures" / "nvml"

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from exporter.roster import load_roster, parse_roster
+from fleet.roster import load_roster, parse_roster
 from remediator.actions.builtin import HttpProbeParams
 from remediator.actions.host import CaptureEvidenceParams
 from remediator.actions.registry import (

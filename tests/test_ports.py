@@ -23,7 +23,6 @@ from typing import Any
 import pytest
 
 from exporter.collectors.ports import PortsCollector
-from exporter.roster import Server
 from exporter.sources.procfs import process_info, systemd_unit_of
 from exporter.sources.procnet import (
     find_holders,
@@ -34,6 +33,7 @@ from exporter.sources.procnet import (
     url_port,
 )
 from exporter.sources.systemd import UnitsReader
+from fleet.roster import Server
 from tests.llama_lab import StartLlamaServer, free_port
 from tests.scraping import scrape
 from tests.systemctl_stand_in import SystemctlStandIn

@@ -11,8 +11,8 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
 from exporter.collectors.base import CollectorError
-from exporter.gpu_index import GpuIndex, normalize_pci_bus_id
 from exporter.registry import FleetCollector
+from fleet.gpu_index import GpuIndex, normalize_pci_bus_id
 
 
 class Emits:

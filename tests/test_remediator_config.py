@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from exporter.roster import DEFAULT_ROSTER_PATH
+from fleet.roster import DEFAULT_ROSTER_PATH
 from remediator.config import (
     ConfigError,
     Credential,

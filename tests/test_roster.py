@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from exporter.roster import RosterError, load_roster, resolve_host_name
+from fleet.roster import RosterError, load_roster, resolve_host_name
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "fleet.yaml"
 

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import yaml
 
+from exporter.collectors.catalogue import CATALOGUE
 from remediator.playbooks.loader import load_playbooks
 from remediator.playbooks.model import Playbook
 
@@ -271,12 +272,10 @@ def test_aggregations_keep_the_target_labels(rule: dict[str, Any]) -> None:
 
 
 def known_series() -> set[str]:
-    """What the exporter emits (README's table, which test_full_scrape proves against a live
+    """What the exporter emits (its catalogue, which test_full_scrape proves against a live
     scrape) and what the remediator exports (its metrics module; counters get `_total`)."""
-    readme = (REPO / "README.md").read_text(encoding="utf-8")
-    table = readme.split("<!-- metrics:begin -->", 1)[1].split("<!-- metrics:end -->", 1)[0]
-    exporter = set(re.findall(r"^\| `(gpufleet_\w+)`", table, flags=re.MULTILINE))
-    assert len(exporter) > 30, "README's metric table went missing"
+    exporter = set(CATALOGUE)
+    assert len(exporter) > 30, "the metric catalogue went missing"
     source = (REPO / "remediator" / "metrics.py").read_text(encoding="utf-8")
     remediator = set(re.findall(r'"(gpufleet_remediator_\w+)"', source))
     assert "gpufleet_remediator_journal_up" in remediator

@@ -22,11 +22,11 @@ import pytest
 from exporter.collectors.base import CollectorError
 from exporter.collectors.nvidia import NvidiaCollector
 from exporter.collectors.server_memory import ServerMemoryCollector
-from exporter.gpu_index import GpuIndex
-from exporter.roster import Server
 from exporter.sources.drm_fdinfo import parse_fdinfo
 from exporter.sources.nvml import load_backend
 from exporter.sources.systemd import UnitsReader
+from fleet.gpu_index import GpuIndex
+from fleet.roster import Server
 from tests.scraping import scrape
 from tests.systemctl_stand_in import SystemctlStandIn
 
@@ -346,8 +346,8 @@ def test_unowned_amd_memory_is_read_under_a_budget_across_scrapes(
 UNPRIVILEGED_SCRAPE = """
 import json, os, sys
 from exporter.collectors.server_memory import ServerMemoryCollector
-from exporter.gpu_index import GpuIndex
-from exporter.roster import Server
+from fleet.gpu_index import GpuIndex
+from fleet.roster import Server
 from exporter.sources.systemd import UnitsReader
 from tests.scraping import scrape
 

@@ -28,7 +28,7 @@ import yaml
 
 from exporter import cli as exporter_cli
 from exporter import node
-from exporter.roster import DEFAULT_EXPORTER_PORT
+from fleet.roster import DEFAULT_EXPORTER_PORT
 from remediator import cli as remediator_cli
 from remediator.config import DEFAULT_JOURNAL
 

@@ -30,8 +30,8 @@ from prometheus_client.metrics_core import Metric
 from exporter.collectors.base import CollectorError, SourceCollector
 from exporter.collectors.units import ACTIVE_STATES, UnitsCollector
 from exporter.registry import FleetCollector
-from exporter.roster import Server
 from exporter.sources.systemd import UnitsReader
+from fleet.roster import Server
 from tests.golden import assert_golden, exposition
 from tests.systemctl_stand_in import SystemctlStandIn
 

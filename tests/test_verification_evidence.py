@@ -14,10 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from exporter.roster import load_roster
+from fleet.roster import load_roster
 from remediator.playbooks.loader import load_playbooks
-from remediator.playbooks.model import Playbook, Target
+from remediator.playbooks.model import Playbook
 from remediator.prometheus_api import promql_holds
+from remediator.targets import Target
 from tests.prometheus_lab import MetricsEndpoint, PrometheusServer
 from tests.remediator_lab import write_setup
 

@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from exporter.collectors.base import SourceCollector
 from exporter.collectors.vllm import DEFAULT_MARGIN_SECONDS, VllmCollector
-from exporter.roster import Server
+from fleet.roster import Server
 from tests.golden import assert_golden, exposition
 from tests.scraping import scrape
 from tests.vllm_stand_in import VllmStandIn

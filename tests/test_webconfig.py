@@ -33,7 +33,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Gauge
 
 from exporter.http import MetricsServer
-from exporter.webconfig import (
+from fleet.webconfig import (
     WWW_AUTHENTICATE,
     BasicAuthChecker,
     TLSContextProvider,

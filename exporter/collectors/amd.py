@@ -41,8 +41,8 @@ from prometheus_client.metrics_core import Metric
 
 from exporter.collectors import catalogue
 from exporter.collectors.base import CollectorError, Rediscovery
-from exporter.gpu_index import GpuIndex
 from exporter.sources.amdgpu import AmdCard, AmdIdentity, AmdReading, discover_cards
+from fleet.gpu_index import GpuIndex
 
 log = logging.getLogger(__name__)
 

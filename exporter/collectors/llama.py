@@ -56,7 +56,6 @@ from prometheus_client.metrics_core import Metric
 
 from exporter.collectors import catalogue
 from exporter.collectors.base import CollectorError
-from exporter.roster import Server
 from exporter.sources.bounded import Lanes, Pending, Request
 from exporter.sources.http_client import Answer, Outcome, read_secret
 from exporter.sources.llama_api import (
@@ -74,6 +73,7 @@ from exporter.sources.llama_api import (
     parse_props,
     parse_slots,
 )
+from fleet.roster import Server
 
 log = logging.getLogger(__name__)
 

@@ -60,7 +60,6 @@ from prometheus_client.metrics_core import Metric
 from exporter.collectors import catalogue
 from exporter.collectors.base import CollectorError
 from exporter.collectors.server_memory import GpuProcesses
-from exporter.gpu_index import GpuIndex, normalize_pci_bus_id
 from exporter.sources.nvml import (
     CLOCKS_EVENT_REASONS,
     COMPUTE_MODES,
@@ -75,6 +74,7 @@ from exporter.sources.nvml import (
     needs_reinit,
     pci_id,
 )
+from fleet.gpu_index import GpuIndex, normalize_pci_bus_id
 
 log = logging.getLogger(__name__)
 

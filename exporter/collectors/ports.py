@@ -58,7 +58,6 @@ from prometheus_client.metrics_core import Metric
 
 from exporter.collectors import catalogue
 from exporter.collectors.base import CollectorError
-from exporter.roster import Server
 from exporter.sources.procfs import read_comm
 from exporter.sources.procnet import (
     FD_PRIVILEGE,
@@ -70,6 +69,7 @@ from exporter.sources.procnet import (
     url_port,
 )
 from exporter.sources.systemd import SystemdError, UnitsReader, UnitStatus, unit_pids
+from fleet.roster import Server
 
 # States in which the unit's processes run and may hold its port. systemd's `reloading` (and
 # `refreshing`, systemd 257+) keep the main process; every other state (`activating` while

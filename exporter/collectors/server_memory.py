@@ -45,12 +45,12 @@ from prometheus_client.metrics_core import Metric
 
 from exporter.collectors import catalogue
 from exporter.collectors.base import CollectorError
-from exporter.gpu_index import GpuIndex
-from exporter.roster import Server
 from exporter.sources import drm_fdinfo
 from exporter.sources.procfs import all_pids
 from exporter.sources.procnet import FD_PRIVILEGE
 from exporter.sources.systemd import SystemdError, UnitsReader, unit_pids
+from fleet.gpu_index import GpuIndex
+from fleet.roster import Server
 
 # Time a scrape may spend reading other processes' fds for the AMD unowned memory.
 UNOWNED_BUDGET_SECONDS = 0.003

@@ -56,9 +56,9 @@ from prometheus_client.metrics_core import Metric
 
 from exporter.collectors import catalogue
 from exporter.collectors.base import CollectorError
-from exporter.roster import Server
 from exporter.sources.procfs import boot_time, listed, read_stat, read_status
 from exporter.sources.systemd import SystemdError, UnitsReader, UnitStatus, monotonic_to_unix
+from fleet.roster import Server
 
 # systemd's unit active states (systemd.unit(5), "ActiveState"; `systemctl --state=help`).
 ACTIVE_STATES = ("active", "reloading", "inactive", "failed", "activating", "deactivating")

@@ -65,9 +65,9 @@ from prometheus_client.samples import Sample
 
 from exporter.collectors import catalogue
 from exporter.collectors.base import CollectorError
-from exporter.roster import Server
 from exporter.sources.bounded import MARGIN_SECONDS, Lanes, Pending, Request
 from exporter.sources.http_client import Answer, Outcome, read_secret
+from fleet.roster import Server
 
 log = logging.getLogger(__name__)
 

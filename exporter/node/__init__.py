@@ -26,7 +26,7 @@ Verbs (`exporter.node.protocol`):
   nothing else touched;
 - `power-cap GPU WATTS PCI_BUS_ID`, `power-cap-restore GPU PCI_BUS_ID`: NVML's power limit or
   amdgpu's `power1_cap`, the previous value recorded under `--state-dir` (`exporter.node.gpus`);
-  refused unless this host numbers GPU `GPU` as the card `PCI_BUS_ID` (`exporter.gpu_index`).
+  refused unless this host numbers GPU `GPU` as the card `PCI_BUS_ID` (`exporter.sources.pci`).
 
 The answer is one JSON line on stdout, `{"ok", "verb", "args", "host", "result", "error"}`;
 the log line on stderr (and syslog under `--ssh`). Exit codes: 0 done, 1 tried and failed,

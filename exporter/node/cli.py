@@ -17,7 +17,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from exporter.gpu_index import normalize_pci_bus_id
 from exporter.node import gpus as gpu_verbs
 from exporter.node import units
 from exporter.node.guard import (
@@ -43,7 +42,11 @@ from exporter.node.protocol import (
     parse_tokens,
     show,
 )
-from exporter.roster import (
+from exporter.sources.nvml import load_backend
+from exporter.sources.procnet import ProcNetError
+from exporter.sources.systemd import SystemdError
+from fleet.gpu_index import normalize_pci_bus_id
+from fleet.roster import (
     DEFAULT_ROSTER_PATH,
     Host,
     PowerBounds,
@@ -53,9 +56,6 @@ from exporter.roster import (
     load_roster,
     resolve_host_name,
 )
-from exporter.sources.nvml import load_backend
-from exporter.sources.procnet import ProcNetError
-from exporter.sources.systemd import SystemdError
 
 SERVER_VERBS = ("status", "evidence", "restart", "stop", "start", "guard-port")
 DEFAULT_WAIT_SECONDS = 30.0

@@ -1,6 +1,6 @@
 """The GPU verbs of `gpu-fleet-node`: GPU processes for evidence, and power capping.
 
-GPUs are numbered by the function the exporter uses (`exporter.gpu_index.number_host_gpus`):
+GPUs are numbered by the function the exporter uses (`exporter.sources.pci.number_host_gpus`):
 PCI bus order over all of the host's GPUs in PCI sysfs and the roster's `pci_bus_ids`, NVIDIA
 (driven through the NVML backend: the real `pynvml`, or the fake scenario stand-in under
 `--nvml.fake-scenario`) and AMD (amdgpu sysfs) together. A request names the GPU by index *and*
@@ -40,15 +40,16 @@ from typing import Any, TypeVar
 
 import pynvml
 
-from exporter.gpu_index import GpuIndex, normalize_pci_bus_id, number_host_gpus
 from exporter.node.protocol import Failed, Refused
-from exporter.roster import PowerBounds, Server
 from exporter.sources import drm_fdinfo
 from exporter.sources.amdgpu import AmdCard, discover_cards
 from exporter.sources.nvml import NvmlBackend, is_library_missing, is_not_supported
+from exporter.sources.pci import number_host_gpus
 from exporter.sources.procfs import all_pids
 from exporter.sources.sysfs import read_int
 from exporter.sources.systemd import SystemdError, show_units, unit_pids
+from fleet.gpu_index import GpuIndex, normalize_pci_bus_id
+from fleet.roster import PowerBounds, Server
 
 T = TypeVar("T")
 

@@ -40,10 +40,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from exporter.roster import DEFAULT_ROSTER_PATH, RosterError, load_roster, resolve_host_name
 from exporter.sources.procfs import ProcessInfo, process_info, read_stat, systemd_unit_of
 from exporter.sources.procnet import ProcNetError, find_holders, read_listeners, url_port
 from exporter.sources.systemd import SystemdError, UnitStatus, show_units, unit_pids
+from fleet.roster import DEFAULT_ROSTER_PATH, RosterError, load_roster, resolve_host_name
 
 PRIVILEGE = "root, or CAP_SYS_PTRACE and CAP_DAC_READ_SEARCH (and CAP_KILL to act)"
 DEFAULT_TERM_TIMEOUT = 10.0

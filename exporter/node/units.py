@@ -20,7 +20,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from exporter.roster import Server
 from exporter.sources.journal import JournalError, unit_journal
 from exporter.sources.procfs import process_info, read_cgroup, read_status, systemd_unit_of
 from exporter.sources.procnet import ProcNetError, find_holders, read_listeners, url_port
@@ -32,6 +31,7 @@ from exporter.sources.systemd import (
     show_units,
     unit_pids,
 )
+from fleet.roster import Server
 
 JOURNAL_LINES = 50
 MAX_CMDLINE = 4096

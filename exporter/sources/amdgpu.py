@@ -23,9 +23,9 @@ import logging
 import os
 from dataclasses import dataclass, field
 
-from exporter.gpu_index import normalize_pci_bus_id
 from exporter.sources.hwmon import HwmonChip, TempSensor, channel_numbers, read_chip
 from exporter.sources.sysfs import StaticValue, read_bytes, read_int, read_text
+from fleet.gpu_index import normalize_pci_bus_id
 
 try:
     import pyudev

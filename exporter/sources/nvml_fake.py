@@ -82,7 +82,6 @@ import pynvml
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from exporter.gpu_index import normalize_pci_bus_id
 from exporter.sources.nvml import (
     CLOCKS_EVENT_REASONS,
     COMPUTE_MODES,
@@ -93,6 +92,7 @@ from exporter.sources.nvml import (
     Utilization,
     handle_key,
 )
+from fleet.gpu_index import normalize_pci_bus_id
 
 log = logging.getLogger(__name__)
 

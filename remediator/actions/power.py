@@ -40,8 +40,8 @@ from typing import Literal
 
 from pydantic import Field
 
-from exporter.gpu_index import normalize_pci_bus_id
-from exporter.roster import Roster
+from fleet.gpu_index import normalize_pci_bus_id
+from fleet.roster import Roster
 from remediator.actions.executors import executor_for
 from remediator.actions.host import node_call
 from remediator.actions.registry import ActionContext, ActionParams, StepResult, action
@@ -183,7 +183,13 @@ def pending_restores(journal: Journal) -> list[ScheduledRestore]:
     return sorted(pending, key=lambda item: item.event_id)
 
 
-@action("set_power_cap", SetPowerCapParams, default_timeout_seconds=60.0)
+@action(
+    "set_power_cap",
+    SetPowerCapParams,
+    default_timeout_seconds=60.0,
+    undo="a restore journaled with the step: `power-cap-restore` once the card's hottest sensor "
+    "has stayed `normal_margin_celsius` below critical for `restore_after_seconds`",
+)
 def set_power_cap(ctx: ActionContext, params: SetPowerCapParams) -> StepResult:
     """Lower the GPU's power cap one step (bounded), and schedule its restore."""
     identity = _gpu_of(ctx, params)

@@ -39,12 +39,12 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
 from remediator.actions.settings import ActionSettings
-from remediator.playbooks.model import Step, Target, fill_templates
+from remediator.targets import Target, fill_templates
 
 if TYPE_CHECKING:
     from remediator.journal import Journal
@@ -149,6 +149,8 @@ class RegisteredAction:
     read_only: bool = False
     undo_first: Callable[[ActionContext, Any], Undo | None] | None = None
     disruptive: bool = True
+    # What undoes it, for people (docs/actions.md): the undo step, or a restore of its own.
+    undo: str = ""
 
     def parse_params(self, raw: Mapping[str, Any]) -> BaseModel:
         """Validate filled params; raises `pydantic.ValidationError`."""
@@ -173,6 +175,7 @@ def action(
     read_only: bool = False,
     undo_first: Callable[[ActionContext, P], Undo | None] | None = None,
     disruptive: bool | None = None,
+    undo: str = "",
 ) -> Callable[[Callable[[ActionContext, P], StepResult]], Callable[[ActionContext, P], StepResult]]:
     """Register `fn(ctx, params) -> StepResult` as the action `name` taking `params`.
 
@@ -182,9 +185,12 @@ def action(
     result then carries no undo had nothing to undo; the engine marks it not needed.
 
     `disruptive` defaults to `not read_only`; a read-only action is never disruptive.
+    `undo` says in words what undoes the action (docs/actions.md is generated from it): an
+    action with `undo_first` must say it.
 
     Raises `ValueError` for a bad or taken name, a non-positive default time limit, a
-    params model that accepts unknown keys, or a read-only action said to be disruptive.
+    params model that accepts unknown keys, a read-only action said to be disruptive, or an
+    `undo_first` without its `undo`.
     """
     if not _ACTION_NAME.match(name) or name in RESERVED_STEP_KEYS:
         raise ValueError(f"action name {name!r}: use lower_snake_case, not a reserved step key")
@@ -192,6 +198,8 @@ def action(
         raise ValueError(f"action {name}: default_timeout_seconds must be > 0")
     if read_only and disruptive:
         raise ValueError(f"action {name}: a read-only action cannot be disruptive")
+    if undo_first is not None and not undo:
+        raise ValueError(f"action {name}: say what undoes it (`undo`) beside `undo_first`")
     if params.model_config.get("extra") != "forbid":
         raise ValueError(
             f"action {name}: params model {params.__name__} must forbid extra keys "
@@ -212,6 +220,7 @@ def action(
                 read_only=read_only,
                 undo_first=undo_first,
                 disruptive=not read_only if disruptive is None else disruptive,
+                undo=undo,
             )
         return fn
 
@@ -237,7 +246,23 @@ def render_params(raw: Mapping[str, Any], target: Target) -> dict[str, Any]:
     return fill_templates(raw, target)
 
 
-def render_step(step: Step, target: Target) -> BaseModel:
+class StepSpec(Protocol):
+    """What `render_step` reads of a step: the action's name and its params as written.
+
+    A protocol, not the playbook's `Step`: playbooks name actions, so actions sit below them
+    and know nothing of playbooks (tests/test_import_graph.py).
+    """
+
+    @property
+    def action(self) -> str:
+        """The registered action's name."""
+
+    @property
+    def params(self) -> Mapping[str, Any]:
+        """The params as written, placeholders and all."""
+
+
+def render_step(step: StepSpec, target: Target) -> BaseModel:
     """A step's params for `target`: filled from the roster, then validated by the action.
 
     Raises `UnknownActionError` or `pydantic.ValidationError`; both were ruled out at load

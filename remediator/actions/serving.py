@@ -43,7 +43,7 @@ from urllib.parse import quote
 
 from pydantic import Field
 
-from exporter.roster import Server
+from fleet.roster import Server
 from remediator.actions.registry import (
     ActionContext,
     ActionParams,
@@ -239,7 +239,14 @@ def _unblock_undo(ctx: ActionContext, params: DrainParams) -> Undo | None:
     )
 
 
-@action("drain", DrainParams, default_timeout_seconds=90.0, undo_first=_unblock_undo)
+@action(
+    "drain",
+    DrainParams,
+    default_timeout_seconds=90.0,
+    undo_first=_unblock_undo,
+    undo="`litellm_unblock` (the deployment back into LiteLLM's routing), journaled before the "
+    "block and run at the end of the run whatever happened after, or after a crash",
+)
 def drain(ctx: ActionContext, params: DrainParams) -> StepResult:
     """Take the server out of its proxy's routing (if any), then wait for idle slots."""
     entry = _server(ctx, "drain")

@@ -29,7 +29,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 from urllib.parse import parse_qs, quote, urlencode, urlsplit
 
-from exporter.roster import Roster
+from fleet.roster import Roster
 from remediator.actions.registry import UnknownActionError, get_action
 from remediator.journal import QueuedReport, RunRecord, StepRecord
 from remediator.notify.markdown import (

@@ -24,9 +24,10 @@ journaled per running run in `run_targets`.
 
 from __future__ import annotations
 
-from exporter.roster import Roster
+from fleet.roster import Roster
 from remediator.actions.registry import get_action
-from remediator.playbooks.model import Playbook, Target, expected_gpu_count
+from remediator.playbooks.model import Playbook, expected_gpu_count
+from remediator.targets import Target
 
 
 def disrupts_nothing(playbook: Playbook) -> bool:

@@ -84,7 +84,7 @@ from pydantic import (
 )
 
 import remediator.actions  # noqa: F401  (registers the built-in actions steps may name)
-from exporter.yamlfile import load_strict
+from fleet.yamlfile import load_strict
 from remediator.actions.registry import (
     RESERVED_STEP_KEYS,
     ActionParams,
@@ -94,21 +94,23 @@ from remediator.actions.registry import (
 )
 from remediator.config import validation_problems, yaml_problem
 from remediator.playbooks.model import (
-    ALL_PLACEHOLDERS,
-    PLACEHOLDER,
-    PLACEHOLDERS,
-    TARGET_KINDS,
     LabelMatcher,
     Match,
     Playbook,
     Policy,
     Rejection,
     Step,
-    Target,
-    TargetKind,
     Verify,
     match_playbook,
     resolve_target,
+)
+from remediator.targets import (
+    ALL_PLACEHOLDERS,
+    PLACEHOLDER,
+    PLACEHOLDERS,
+    TARGET_KINDS,
+    Target,
+    TargetKind,
 )
 
 __all__ = [

@@ -39,8 +39,8 @@ from exporter.collectors.hwmon import HwmonCollector
 from exporter.collectors.llama import LlamaCollector
 from exporter.collectors.vllm import VllmCollector
 from exporter.exposition import TextWriter
-from exporter.roster import Server
 from exporter.sources.procfs import parse_stat, parse_status
+from fleet.roster import Server
 from tests.reliability.figures import Figures, sized
 from tests.reliability.strategies import JSON_VALUES
 from tests.sysfs_tree import ACPITZ, K10TEMP, nvme_spec, write_hwmon_chip
@@ -666,7 +666,7 @@ _AMD_FILES = (
 
 def test_hostile_amdgpu_files(tmp_path: Path, figures: Figures) -> None:
     from exporter.collectors.amd import AmdCollector
-    from exporter.gpu_index import GpuIndex
+    from fleet.gpu_index import GpuIndex
     from tests.sysfs_tree import discrete_spec, write_amd_card
 
     card = write_amd_card(tmp_path / "sys", discrete_spec(0))

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from exporter.roster import Host
+from fleet.roster import Host
 from remediator.actions.executors.base import (
     NodeAnswer,
     NodeExecutor,

@@ -1,7 +1,7 @@
 """What every executor shares: the request check, the bounded child process, the answer.
 
 An executor runs one `gpu-fleet-node` verb for one roster host and turns what came back into a
-`NodeAnswer`. The node's protocol (exporter/node.py, README "Healing on the hosts"):
+`NodeAnswer`. The node's protocol (exporter/node/, docs/node.md):
 
 - the request is a verb and at most three arguments, each a *token*
   (`^[A-Za-z0-9][A-Za-z0-9._@:-]{0,127}$`): they come from the roster-resolved target (a

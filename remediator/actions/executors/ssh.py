@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from exporter.roster import Host
+from fleet.roster import Host
 from remediator.actions.executors.base import NodeAnswer, check_request, run_request
 
 

@@ -2,9 +2,9 @@
 
 The roster is the one source of truth shared by the exporter, `gpu-fleet-node` and the
 remediator: hosts, the GPUs each must have, and every model server with its engine, URL,
-systemd unit, role alias and model. The keys are fixed by DESIGN.md ("add keys, don't rename
-them"); unknown keys are refused so that a typo (`servrs:`) stops the start instead of silently
-watching nothing.
+systemd unit, role alias and model. Every key is documented in docs/roster.md; keys are
+added, never renamed. Unknown keys are refused so that a typo (`servrs:`) stops the start
+instead of silently watching nothing.
 
 Every error names the file and the key path, e.g.
 `fleet.yaml: hosts.dioscuri.servers.alpha.engine: must be one of 'llama', 'vllm'`.
@@ -30,8 +30,8 @@ from pydantic import (
     model_validator,
 )
 
-from exporter.gpu_index import normalize_pci_bus_id
-from exporter.yamlfile import load_strict
+from fleet.gpu_index import normalize_pci_bus_id
+from fleet.yamlfile import load_strict
 
 DEFAULT_ROSTER_PATH = Path("/etc/gpu-fleet/fleet.yaml")
 DEFAULT_HOST_FILE = Path("/etc/gpu-fleet/host")
@@ -386,7 +386,7 @@ def format_validation_error(source: str, exc: ValidationError) -> str:
     for err in exc.errors():
         message = err["msg"]
         if err["type"] == "extra_forbidden":
-            message = "unknown key (check its spelling against DESIGN.md's roster format)"
+            message = "unknown key (check its spelling against docs/roster.md)"
         elif err["type"] == "missing":
             message = "required key is missing"
         message = message.removeprefix("Value error, ")

@@ -67,7 +67,7 @@ import bcrypt
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
-from exporter.yamlfile import load_strict
+from fleet.yamlfile import load_strict
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,1 @@
+"""The repository's docs; `docs.generate` writes the generated references (`make docs`)."""

@@ -238,8 +238,13 @@ def _default(field: FieldInfo) -> str:
     return _value(field.default)
 
 
+def _paragraphs(text: str | None) -> list[str]:
+    """A docstring's paragraphs, each on one line."""
+    return [" ".join(p.split()) for p in inspect.cleandoc(text or "").split("\n\n") if p.strip()]
+
+
 def _first_paragraph(text: str | None) -> str:
-    return _cell(inspect.cleandoc(text or "").split("\n\n", 1)[0])
+    return _cell((_paragraphs(text) or [""])[0])
 
 
 def _params_table(model: type[BaseModel]) -> list[str]:
@@ -260,7 +265,11 @@ def actions_page() -> str:
     import remediator.actions  # noqa: F401, PLC0415  (registers the built-in actions)
     from remediator.actions.registry import registered  # noqa: PLC0415
 
-    actions = sorted(registered().values(), key=lambda a: a.name)
+    # The product's actions only: a test process registers actions of its own beside them.
+    actions = sorted(
+        (a for a in registered().values() if a.fn.__module__.startswith("remediator.")),
+        key=lambda a: a.name,
+    )
     out = [
         _banner("the action registry (remediator/actions/)"),
         "# Actions\n",
@@ -294,7 +303,8 @@ def actions_page() -> str:
     out.append("")
     for registered_action in actions:
         out.append(f"## {registered_action.name}\n")
-        out.append(_first_paragraph(registered_action.fn.__doc__) + "\n")
+        # The whole docstring: the first paragraph says what it does, the rest how.
+        out.extend(p + "\n" for p in _paragraphs(registered_action.fn.__doc__))
         out.extend(_params_table(registered_action.params_model))
         out.append("")
     return "\n".join(out)

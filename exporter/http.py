@@ -75,7 +75,7 @@ class MetricsServer:
     """A running exporter endpoint; `port` is the bound one (useful with port 0).
 
     `web_config` adds TLS, basic auth and headers; without one, plain HTTP as before. The
-    bounds of the front (`_BoundedServer`) default to this module's constants.
+    bounds of the front default to `fleet.http_front`'s constants.
     """
 
     def __init__(

@@ -8,16 +8,21 @@
   name (`fleet.roster`) and every `#anchor` a link points at.
 - No doc links outside the repository: links are relative and stay inside it, and no page
   names the team's own notes beside it (`../shared/`), which users never have.
+- Every key of the roster and of the remediator's config is on its page (docs/roster.md,
+  docs/remediator-config.md), found by walking the models the loaders validate with.
 - The README stays a front page (about 250 lines); the manual lives in docs/.
 """
 
 from __future__ import annotations
 
+import importlib
 import re
+import typing
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from pydantic import BaseModel
 
 from docs.generate import PAGES, stale_pages
 
@@ -51,7 +56,9 @@ TOP_FILES = ("Makefile", "pyproject.toml", "README.md", "CHANGELOG.md")
 # `fleet.yaml`, `remediator.yaml`, `/etc/gpu-fleet/fleet.token`: files, not modules.
 FILE_SUFFIXES = {"yaml", "yml", "json", "token", "key", "password", "db", "md", "log", "txt"}
 
-FENCE = re.compile(r"^(```|~~~).*?^\1[^\n]*$", re.MULTILINE | re.DOTALL)
+# A fence closes on a line of the same run of backticks or tildes (a sample report in a
+# five-backtick fence holds three-backtick blocks of its own).
+FENCE = re.compile(r"^(`{3,}|~{3,})[^\n]*$.*?^\1[ \t]*$", re.MULTILINE | re.DOTALL)
 INLINE_CODE = re.compile(r"`([^`\n]+)`")
 LINK = re.compile(r"(?<!!)\[[^\]\n]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)|!\[[^\]\n]*\]\(([^)\s]+)\)")
 AUTOLINK = re.compile(r"<(https?://[^>\s]+)>")
@@ -145,7 +152,9 @@ def test_the_references_cover_what_the_code_knows() -> None:
     metrics = (REPO / "docs" / "metrics.md").read_text()
     assert all(f"| `{name}` |" in metrics for name in CATALOGUE)
     actions = (REPO / "docs" / "actions.md").read_text()
-    assert all(f"## {name}\n" in actions for name in registered())
+    ours = [name for name, a in registered().items() if a.fn.__module__.startswith("remediator.")]
+    assert len(ours) > 10
+    assert all(f"## {name}\n" in actions for name in ours)
     alerts = (REPO / "docs" / "alerts.md").read_text()
     for rule_file in (REPO / "rules").glob("*alerts.rules.yml"):
         for name in re.findall(r"^\s+- alert: (\w+)", rule_file.read_text(), re.MULTILINE):
@@ -231,3 +240,43 @@ def test_the_readme_is_a_front_page() -> None:
         assert command in text
     for page in ("docs/roster.md", "docs/remediator-config.md", "docs/install.md"):
         assert f"]({page})" in text, f"the README links {page}"
+
+
+def model_keys(model: type[BaseModel]) -> set[str]:
+    """Every key of a config model and the models nested in it (dicts, lists, unions)."""
+    keys: set[str] = set()
+    seen: set[type[BaseModel]] = set()
+
+    def nested(annotation: object) -> Iterator[type[BaseModel]]:
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            yield annotation
+        for arg in typing.get_args(annotation):
+            yield from nested(arg)
+
+    def walk(current: type[BaseModel]) -> None:
+        if current in seen:
+            return
+        seen.add(current)
+        for name, field in current.model_fields.items():
+            keys.add(field.alias or name)
+            for inner in nested(field.annotation):
+                walk(inner)
+
+    walk(model)
+    return keys
+
+
+@pytest.mark.parametrize(
+    ("page", "model"),
+    [
+        ("roster.md", "fleet.roster:Roster"),
+        ("remediator-config.md", "remediator.config:RemediatorConfig"),
+    ],
+)
+def test_every_key_is_documented(page: str, model: str) -> None:
+    module, _, name = model.partition(":")
+    keys = model_keys(getattr(importlib.import_module(module), name))
+    assert len(keys) > 10, "the walk found no nested keys"
+    text = (REPO / "docs" / page).read_text(encoding="utf-8")
+    missing = sorted(key for key in keys if f"`{key}`" not in text)
+    assert missing == [], f"docs/{page} does not document these keys"

@@ -1,7 +1,8 @@
 """The Zulip reports as text: their format (golden files), topics, safety and trimming.
 
 The golden files under tests/golden/zulip-*.md are the reports exactly as the sender hands
-them to Zulip, less the picture and marker lines it adds; README.md's sample is the first.
+them to Zulip, less the picture and marker lines it adds; docs/remediator.md's sample is the
+first.
 `GPUFLEET_UPDATE_GOLDEN=1` rewrites them after an intended change (review the diff like code).
 """
 
@@ -383,7 +384,7 @@ def test_a_report_within_the_limit_is_untouched() -> None:
     assert fit(report.content, 10_000) == report.content
 
 
-def test_the_readme_shows_the_healed_report_as_it_renders() -> None:
-    readme = (GOLDEN_DIR.parent.parent / "README.md").read_text()
+def test_the_docs_show_the_healed_report_as_it_renders() -> None:
+    page = (GOLDEN_DIR.parent.parent / "docs" / "remediator.md").read_text()
     golden = (GOLDEN_DIR / "zulip-report-healed.md").read_text()
-    assert f"`````markdown\n{golden.rstrip()}\n`````" in readme
+    assert f"`````markdown\n{golden.rstrip()}\n`````" in page

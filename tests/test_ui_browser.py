@@ -41,7 +41,7 @@ STABLE_SCREENSHOT = OUTPUT / "ui-page.png"
 # Each chromium start is bounded: the whole test stays well under two minutes.
 CHROMIUM_TIMEOUT_SECONDS = 45
 # Tall enough for the whole page as the `page` fixture fills it (about 2 900 px with its two
-# open runs, one with its chart): the screenshot is the README's picture of the page.
+# open runs, one with its chart): the screenshot is docs/remediator.md's picture of the page.
 WINDOW = (1280, 2960)
 # Answer headers the proxy passes back to chromium (the page's own policy among them).
 PASSED_HEADERS = ("Content-Type", "Content-Security-Policy", "Cache-Control",

@@ -1,20 +1,21 @@
-"""The README's two pictures, made from real runs: `.venv/bin/python -m docs.images.make_pictures`.
+"""The docs' two pictures (docs/remediator.md): `python -m docs.images.make_pictures`.
 
 From the repository's root (`-m` puts it on the path, for `tests.*`), after `make venv`;
 about two minutes on two cores. Each picture is checked before it is written; a check that
 fails stops the script with the reason and writes nothing.
 
 - `report-chart.png`: the chart the remediator really uploaded to Zulip with a report. The
-  thermal scenario of the lab's NVIDIA host (tests/lab_hosts.py, scenario 3 of the README):
-  real Prometheus, Alertmanager, remediator, sshd and `gpu-fleet-node`; only the GPU is a
-  stand-in (the fake NVML's scenario file, whose temperatures this script writes twice a
-  second). gpu 1 of `nvhost` idles around 41 °C, warms to 90 °C in 15 s (critical 92, the
-  alert's line 87), the lab copy of `gpu-temperature-critical` caps its power one step
-  (700 W → 630 W), the card cools a degree a second, the verification holds below the line,
-  and the healed report goes out with its chart; gpu 0 idles around 45 °C throughout. The
-  picture is the upload's bytes from the Zulip stand-in, as a person would have received them.
-  Lab time: a minute of production is a second here (tests/lab.py), so the chart's axis spans
-  under a minute, and it ends where the run did: the report is drawn as the run ends.
+  thermal scenario of the lab's NVIDIA host (tests/lab_hosts.py, scenario 3 of
+  docs/lab-and-benchmarks.md): real Prometheus, Alertmanager, remediator, sshd and
+  `gpu-fleet-node`; only the GPU is a stand-in (the fake NVML's scenario file, whose
+  temperatures this script writes twice a second). gpu 1 of `nvhost` idles around 41 °C, warms
+  to 90 °C in 15 s (critical 92, the alert's line 87), the lab copy of
+  `gpu-temperature-critical` caps its power one step (700 W → 630 W), the card cools a degree a
+  second, the verification holds below the line, and the healed report goes out with its chart;
+  gpu 0 idles around 45 °C throughout. The picture is the upload's bytes from the Zulip
+  stand-in, as a person would have received them. Lab time: a minute of production is a second
+  here (tests/lab.py), so the chart's axis spans under a minute, and it ends where the run did:
+  the report is drawn as the run ends.
 - `ui-page.png`: the screenshot of `tests/test_ui_browser.py` (headless chromium on the
   remediator's page, real runs in its journal), which that test writes to
   `.test-output/ui-page.png`; this script runs it and copies the screenshot.

@@ -85,7 +85,10 @@ class PrometheusCheckParams(ActionParams):
 
 @action("prometheus_check", PrometheusCheckParams, default_timeout_seconds=30.0, read_only=True)
 def prometheus_check(ctx: ActionContext, params: PrometheusCheckParams) -> StepResult:
-    """Evaluate `query` until it is (non-)empty per `expect`, within the step's deadline."""
+    """Evaluate `query` until it is (non-)empty per `expect`, within the step's deadline.
+
+    PromQL must (not) return series.
+    """
     # The window shrinks to fit the deadline, leaving room for the last query to answer.
     within = min(params.within_seconds, max(0.0, ctx.remaining() - _QUERY_TIMEOUT_SECONDS))
     result = promql_holds(
@@ -135,6 +138,8 @@ class HttpProbeParams(ActionParams):
 @action("http_probe", HttpProbeParams, default_timeout_seconds=10.0, read_only=True)
 def http_probe(ctx: ActionContext, params: HttpProbeParams) -> StepResult:
     """Send one request and compare the status (and optionally the body) with expectations.
+
+    One request, no redirects.
 
     The request cannot be interrupted by `ctx.cancel`; its time limit, never more than the
     step has left, bounds it instead.

@@ -89,7 +89,11 @@ class CaptureEvidenceParams(ActionParams):
 
 @action("capture_evidence", CaptureEvidenceParams, default_timeout_seconds=60.0, read_only=True)
 def capture_evidence(ctx: ActionContext, params: CaptureEvidenceParams) -> StepResult:
-    """Collect the node's `evidence` for the target's servers, and PromQL snapshots."""
+    """Collect the node's `evidence` for the target's servers, and PromQL snapshots.
+
+    Node `evidence SERVER` for the target's server (or every server on the target GPU / host),
+    plus PromQL snapshots, into the step output — and so into the Zulip report.
+    """
     parts: list[str] = []
     failures: list[str] = []
     collected: dict[str, Any] = {}
@@ -143,7 +147,10 @@ def _state(snapshot: Any) -> str:
 
 @action("restart_server", NoParams, default_timeout_seconds=120.0)
 def restart_server(ctx: ActionContext, params: NoParams) -> StepResult:
-    """Restart the target server's unit through the node (`restart SERVER`)."""
+    """Restart the target server's unit through the node (`restart SERVER`).
+
+    Node `restart SERVER`; the output shows state and MainPID before → after.
+    """
     server = _server_of(ctx, "restart_server")
     if isinstance(server, StepResult):
         return server
@@ -159,7 +166,11 @@ def restart_server(ctx: ActionContext, params: NoParams) -> StepResult:
 
 @action("kill_port_ghost", NoParams, default_timeout_seconds=60.0)
 def kill_port_ghost(ctx: ActionContext, params: NoParams) -> StepResult:
-    """Clear a stale process of the unit's own program from the server's port (`guard-port`)."""
+    """Clear a stale process of the unit's own program from the server's port (`guard-port`).
+
+    Node `guard-port SERVER`: kills a stale process of the unit's own program holding the port,
+    refuses anything else.
+    """
     server = _server_of(ctx, "kill_port_ghost")
     if isinstance(server, StepResult):
         return server
@@ -180,5 +191,10 @@ class EscalateParams(ActionParams):
 # real fix (a port ghost killed) must not wait an hour behind it.
 @action("escalate", EscalateParams, default_timeout_seconds=5.0, disruptive=False)
 def escalate(ctx: ActionContext, params: EscalateParams) -> StepResult:
-    """Ask the engine to escalate the run to people (an event, a metric, a report)."""
+    """Ask the engine to escalate the run to people (an event, a metric, a report).
+
+    Calls people now: an `escalation` event, `gpufleet_remediator_escalations_total`, and a
+    direct message to `zulip.escalate_to` (not run under dry-run; touches no target, so it
+    spends no disruption budget).
+    """
     return StepResult(True, f"escalated to people: {params.why}", escalate=params.why)

@@ -55,7 +55,11 @@ class HttpRequestParams(ActionParams):
 
 @action("http_request", HttpRequestParams, default_timeout_seconds=15.0)
 def http_request(ctx: ActionContext, params: HttpRequestParams) -> StepResult:
-    """Send one request, only to a URL the config allows."""
+    """Send one request, only to a URL the config allows.
+
+    One request, only to a URL listed in `http_request.allowed_urls` (e.g. a router's roster
+    reload).
+    """
     allowed = {url.rstrip("/") for url in ctx.settings.http_allowed_urls}
     if params.url.rstrip("/") not in allowed:
         return StepResult(
@@ -109,7 +113,11 @@ def allowed_key(key: str, patterns: tuple[str, ...]) -> bool:
 
 @action("redis_delete", RedisDeleteParams, default_timeout_seconds=15.0)
 def redis_delete(ctx: ActionContext, params: RedisDeleteParams) -> StepResult:
-    """Delete the given keys and those a SCAN finds, only where the config's patterns allow."""
+    """Delete the given keys and those a SCAN finds, only where the config's patterns allow.
+
+    Deletes keys (exact, and/or found by SCAN) only where they match
+    `redis.allowed_key_patterns` (globs); an exact key outside them refuses the whole step.
+    """
     options = ctx.settings.redis
     if options is None:
         return StepResult(False, "refused: no redis section in the config")

@@ -191,7 +191,17 @@ def pending_restores(journal: Journal) -> list[ScheduledRestore]:
     "has stayed `normal_margin_celsius` below critical for `restore_after_seconds`",
 )
 def set_power_cap(ctx: ActionContext, params: SetPowerCapParams) -> StepResult:
-    """Lower the GPU's power cap one step (bounded), and schedule its restore."""
+    """Lower the GPU's power cap one step (bounded), and schedule its restore.
+
+    Node `power-cap GPU WATTS PCI_BUS_ID` (the bus id from `gpufleet_gpu_info{host,gpu}` at
+    action time) with the current limit (`gpufleet_gpu_power_limit_watts{kind="current"}`)
+    minus the step, never below the roster's `power_cap_watts[gpu].min` nor the device minimum;
+    at the floor the step fails and calls people. It journals a restore (with the bus id): the
+    engine's heartbeat runs `power-cap-restore GPU PCI_BUS_ID` once the hottest sensor has
+    stayed `normal_margin_celsius` below critical for `restore_after_seconds` (kept in the
+    journal: a restart does not forget it; one replica does it). `vendor: amd` picks a host's
+    AMD GPU for an APU alert.
+    """
     identity = _gpu_of(ctx, params)
     if isinstance(identity, str):
         return StepResult(False, f"error: {identity}")

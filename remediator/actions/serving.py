@@ -248,7 +248,15 @@ def _unblock_undo(ctx: ActionContext, params: DrainParams) -> Undo | None:
     "block and run at the end of the run whatever happened after, or after a crash",
 )
 def drain(ctx: ActionContext, params: DrainParams) -> StepResult:
-    """Take the server out of its proxy's routing (if any), then wait for idle slots."""
+    """Take the server out of its proxy's routing (if any), then wait for idle slots.
+
+    With a LiteLLM proxy in the roster (`litellm: {url, model_id, admin_key_file}`): `POST
+    /model/block {"model_id"}` with the admin key; then waits until `/slots` shows no slot
+    processing (vLLM: `vllm:num_requests_running` 0), at most `max_wait_seconds`, then goes on
+    (a runaway request never finishes by itself: the restart cuts it). The unblock (`POST
+    /model/unblock`) runs at the end of the run **whatever happened after** — a later step
+    failing, the run timing out — journaled as an extra step `litellm_unblock`.
+    """
     entry = _server(ctx, "drain")
     if isinstance(entry, StepResult):
         return entry
@@ -334,7 +342,11 @@ def _completion(ctx: ActionContext, entry: Server, key: str | None) -> tuple[boo
 
 @action("wait_healthy", WaitHealthyParams, default_timeout_seconds=200.0, read_only=True)
 def wait_healthy(ctx: ActionContext, params: WaitHealthyParams) -> StepResult:
-    """Wait until `/health` answers 200, then check that one tiny completion is answered."""
+    """Wait until `/health` answers 200, then check that one tiny completion is answered.
+
+    `/health` 200, then one 1-token completion answered (`POST /completion`, vLLM
+    `/v1/completions`).
+    """
     entry = _server(ctx, "wait_healthy")
     if isinstance(entry, StepResult):
         return entry
@@ -403,7 +415,16 @@ class CanaryParams(ActionParams):
 
 @action("canary_benchmark", CanaryParams, default_timeout_seconds=90.0, read_only=True)
 def canary_benchmark(ctx: ActionContext, params: CanaryParams) -> StepResult:
-    """Measure generation speed now; a false alarm ends the run, a confirmed drop goes on."""
+    """Measure generation speed now; a false alarm ends the run, a confirmed drop goes on.
+
+    One measured generation against `server_model:gpufleet_tokens_per_second:baseline_7d`; at
+    or below the ratio the drop is confirmed and the run goes on; above it the run ends as a
+    **false alarm** (nothing restarted). `mode: verify` as a probe: ok when the speed is back.
+    For a router's child (the alert's `served_model`) it measures that child by name with
+    `autoload=false` against the child's own baseline, and only while
+    `/props?model=…&autoload=false` says it is awake: an asleep or unloaded child is not
+    measured (the run ends, nothing restarted; as a probe: not verified).
+    """
     entry = _server(ctx, "canary_benchmark")
     if isinstance(entry, StepResult):
         return entry

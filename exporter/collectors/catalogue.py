@@ -471,7 +471,10 @@ _FAMILIES: tuple[Family, ...] = (
         COUNTER,
         "llama_decode() calls: moves during generation.",
         ("server", "served_model"),
-        doc=("`llama_decode()` calls: moves during generation (6 significant digits: see below)"),
+        doc=(
+            "`llama_decode()` calls: moves during generation (printed with 6 significant "
+            "digits: docs/exporter.md)"
+        ),
     ),
     Family(
         "gpufleet_llama_prompt_tokens_total",

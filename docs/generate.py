@@ -49,6 +49,12 @@ def _cell(text: str) -> str:
     return " ".join(text.split()).replace("|", "\\|")
 
 
+def _table(columns: Iterable[str], rows: Iterable[str]) -> list[str]:
+    """A Markdown table: the header, its rule, then `rows` (already formatted)."""
+    names = list(columns)
+    return ["| " + " | ".join(names) + " |", "|" + "---|" * len(names), *rows]
+
+
 def _code_list(names: Iterable[str]) -> str:
     return ", ".join(f"`{name}`" for name in names)
 
@@ -102,9 +108,7 @@ def metrics_page() -> str:
         if not rows:
             continue
         out.append(f"## {title}\n")
-        out.append("| series | type | labels | unit | meaning |")
-        out.append("|---|---|---|---|---|")
-        out.extend(rows)
+        out.extend(_table(("series", "type", "labels", "unit", "meaning"), rows))
         out.append("")
     return "\n".join(out)
 
@@ -163,18 +167,15 @@ def alerts_page() -> str:
     ]
     for title, rows in alert_rows:
         out.append(f"## {title}\n")
-        out.append("| alert | cause | severity | category | for | summary | runbook |")
-        out.append("|---|---|---|---|---|---|---|")
-        out.extend(rows)
+        columns = ("alert", "cause", "severity", "category", "for", "summary", "runbook")
+        out.extend(_table(columns, rows))
         out.append("")
     out.append("## Recording rules\n")
     out.append(
         "The series the alerts and the dashboard read; their output labels are a contract "
         "(the baselines keep exactly `host, server, role, model`).\n"
     )
-    out.append("| series | group | file |")
-    out.append("|---|---|---|")
-    out.extend(records)
+    out.extend(_table(("series", "group", "file"), records))
     out.append("")
     return "\n".join(out)
 
@@ -251,13 +252,14 @@ def _params_table(model: type[BaseModel]) -> list[str]:
     fields = model.model_fields
     if not fields:
         return ["No params."]
-    rows = ["| param | type | default | bounds |", "|---|---|---|---|"]
-    for name, field in fields.items():
-        rows.append(
+    return _table(
+        ("param", "type", "default", "bounds"),
+        (
             f"| `{name}` | {_type_name(field.annotation)} | {_default(field)} "
             f"| {_bounds(field) or '—'} |"
-        )
-    return rows
+            for name, field in fields.items()
+        ),
+    )
 
 
 def actions_page() -> str:
@@ -283,23 +285,15 @@ def actions_page() -> str:
         "target's disruption budget (cooldown and breaker).",
         "- **acts**: changes something but touches no target (calls people): it does not run "
         "under `dry_run` and spends no budget.\n",
-        "| action | kind | default time limit | undo | what it does |",
-        "|---|---|---|---|---|",
     ]
-    for registered_action in actions:
-        kind = (
-            "read-only"
-            if registered_action.read_only
-            else "disruptive"
-            if registered_action.disruptive
-            else "acts"
-        )
-        out.append(
-            f"| [`{registered_action.name}`](#{registered_action.name}) | {kind} "
-            f"| {registered_action.default_timeout_seconds:g} s "
-            f"| {_cell(registered_action.undo) or '—'} "
-            f"| {_first_paragraph(registered_action.fn.__doc__)} |"
-        )
+    rows = (
+        f"| [`{a.name}`](#{a.name}) "
+        f"| {'read-only' if a.read_only else 'disruptive' if a.disruptive else 'acts'} "
+        f"| {a.default_timeout_seconds:g} s | {_cell(a.undo) or '—'} "
+        f"| {_first_paragraph(a.fn.__doc__)} |"
+        for a in actions
+    )
+    out.extend(_table(("action", "kind", "default time limit", "undo", "what it does"), rows))
     out.append("")
     for registered_action in actions:
         out.append(f"## {registered_action.name}\n")

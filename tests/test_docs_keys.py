@@ -23,6 +23,8 @@ from typing import Annotated, Any
 import pytest
 from pydantic import AliasChoices, BaseModel, Field
 
+from tests.test_docs import FENCE
+
 REPO = Path(__file__).resolve().parent.parent
 
 PAGES = [
@@ -30,8 +32,6 @@ PAGES = [
     ("remediator-config.md", "remediator.config", "RemediatorConfig"),
 ]
 
-# A fence closes on a line of the same run of backticks or tildes.
-FENCE = re.compile(r"^(`{3,}|~{3,})[^\n]*$.*?^\1[ \t]*$", re.MULTILINE | re.DOTALL)
 ROW_KEY = re.compile(r"^\|\s*`([^`\n]+)`\s*\|", re.MULTILINE)
 
 

@@ -279,16 +279,20 @@ def actions_page() -> str:
         "and gives its params; they are validated when the playbooks load, so an unknown key "
         "or a value out of bounds stops the start. String params may be templates "
         "(`{server.url}`), filled from the roster, never from the alert.\n",
-        "- **read-only**: observes and changes nothing; runs under `dry_run` too, and may be a "
-        "verification probe.",
+        "- **read-only**: observes and changes nothing; may be a verification probe. Under "
+        "`dry_run` no step runs, read-only ones included.",
         "- **disruptive**: touches its target (restart, drain, cap, kill) and spends the "
         "target's disruption budget (cooldown and breaker).",
         "- **acts**: changes something but touches no target (calls people): it does not run "
-        "under `dry_run` and spends no budget.\n",
+        "under `dry_run` and spends no budget.",
+        "- **clears its alert**: its success removes what the alert measures, not the whole "
+        "fault (a port ghost killed; the unit still has to start): after it the run no longer "
+        "asks whether the alert still fires, it finishes its steps and verification judges.\n",
     ]
     rows = (
         f"| [`{a.name}`](#{a.name}) "
-        f"| {'read-only' if a.read_only else 'disruptive' if a.disruptive else 'acts'} "
+        f"| {'read-only' if a.read_only else 'disruptive' if a.disruptive else 'acts'}"
+        f"{', clears its alert' if a.clears_alert else ''} "
         f"| {a.default_timeout_seconds:g} s | {_cell(a.undo) or '—'} "
         f"| {_first_paragraph(a.fn.__doc__)} |"
         for a in actions

@@ -816,6 +816,9 @@ class Engine:
         What the steps ask beyond their verdicts (undos, escalations, an early finish) is
         collected in `effects`.
         """
+        # Until a step that clears its own alert has acted (a ghost killed): after it, the
+        # alert's resolving is this run's doing, and the rest of its remedy must still run.
+        asking = True
         for index, step in enumerate(playbook.steps):
             registered = get_action(step.action)
             params = registered.params_model.model_validate(render_params(step.params, target))
@@ -827,7 +830,7 @@ class Engine:
             if effects is not None and not self.journal.owns(run.id):
                 effects.fenced = f"another replica took run {run.id} over before step {index}"
                 return None
-            if effects is not None and not registered.read_only:
+            if effects is not None and asking and not registered.read_only:
                 firing, detail = self._still_firing(run)
                 if not firing:
                     effects.resolved = f"the alert resolved before step {index} ({detail})"
@@ -882,6 +885,8 @@ class Engine:
                 output=result.output,
                 undo=undo,
             )
+            if result.ok and registered.clears_alert:
+                asking = False
             finished = effects is not None and effects.finished is not None and result.ok
             if not result.ok or finished:
                 why = f"step {index} failed" if not result.ok else f"step {index} ended the run"

@@ -129,6 +129,8 @@ def test_registration_refuses_bad_names_duplicates_and_lax_models() -> None:
         action("Restart-Unit", _TestParams)
     with pytest.raises(ValueError, match="read-only action cannot be disruptive"):
         action("look_and_touch", _TestParams, read_only=True, disruptive=True)
+    with pytest.raises(ValueError, match="clears nothing"):
+        action("look_and_clear", _TestParams, read_only=True, clears_alert=True)
     with pytest.raises(ValueError, match="reserved"):
         action("timeout_seconds", _TestParams)
 

@@ -133,6 +133,9 @@ def test_evidence_and_people_spend_no_budget_that_a_fix_needs() -> None:
     assert get_action("escalate").disruptive is False
     assert get_action("escalate").read_only is False  # it calls people: not under dry-run
     assert get_action("restart_server").disruptive is True
+    # The ghost's playbook restarts after the kill although PortGhost resolves at once.
+    assert get_action("kill_port_ghost").clears_alert is True
+    assert get_action("restart_server").clears_alert is False
 
 
 def test_hostile_labels_never_reach_a_node_command() -> None:

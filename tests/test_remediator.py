@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 from flask.testing import FlaskClient
 
+from remediator.actions.registry import ActionContext, ActionParams, StepResult, action
 from remediator.config import load_config
 from remediator.service import Services, build_services
 from remediator.web import create_app
@@ -215,6 +216,64 @@ def test_resolved_during_a_step_stops_before_the_next_disruptive_one(tmp_path: P
         assert "resolved before step 2" in run["verification"]
         assert [s["result"] for s in run["steps"]] == ["ok", "ok", "skipped"]
         assert lab.alpha.count("/restart") == 0
+
+
+class _ResolvesParams(ActionParams):
+    pass
+
+
+# Both stand for a step after which the alert resolves at once (a port ghost killed: PortGhost
+# reads 0 within a scrape); only the first says that it clears its alert.
+_ACTED = threading.Event()
+_RESOLVED_POSTED = threading.Event()
+
+
+def _acts_then_alert_resolves(ctx: ActionContext, params: _ResolvesParams) -> StepResult:
+    _ACTED.set()
+    assert _RESOLVED_POSTED.wait(10), "the test never posted the resolution"
+    return StepResult(True, "acted; its alert resolves now")
+
+
+action("test_clears_its_alert", _ResolvesParams, clears_alert=True)(_acts_then_alert_resolves)
+action("test_alert_resolves_after", _ResolvesParams)(_acts_then_alert_resolves)
+
+CLEAR_THEN_RESTART = (
+    "name: clear-then-restart\n"
+    "description: Test playbook - one step whose alert resolves after it, then /restart.\n"
+    "match: {{alertname: LlamaServerDown}}\n"
+    "target: server\n"
+    "steps:\n"
+    "  - {first}: {{}}\n"
+    '  - http_request: {{url: "{{server.url}}/restart", method: GET, expect_status: [200]}}\n'
+    'verify:\n  probe: {{http_probe: {{url: "{{server.url}}/verify", expect_status: 200}}}}\n'
+)
+
+
+@pytest.mark.parametrize(
+    ("first", "outcome", "restarts"),
+    [("test_clears_its_alert", "healed", 1), ("test_alert_resolves_after", "resolved", 0)],
+)
+def test_a_step_that_clears_its_alert_finishes_its_remedy(
+    tmp_path: Path, first: str, outcome: str, restarts: int
+) -> None:
+    """A ghost killed resolves PortGhost before the restart is asked for: the restart must
+    still run (the unit may have spent its start limit) and verification judge; a step that
+    does not clear its alert keeps the check (the fault went away by itself: stop acting)."""
+    _ACTED.clear()
+    _RESOLVED_POSTED.clear()
+    for lab in make_lab(tmp_path, playbook=CLEAR_THEN_RESTART.format(first=first)):
+        lab.post(fixture("firing"))
+        worker = threading.Thread(target=lab.process)
+        worker.start()
+        assert _ACTED.wait(10), "the first step never ran"
+        assert lab.post(fixture("resolved")).status_code == 200
+        _RESOLVED_POSTED.set()
+        worker.join(15)
+        [run] = lab.runs()
+        assert run["outcome"] == outcome
+        assert lab.alpha.count("/restart") == restarts
+        results = [s["result"] for s in run["steps"]]
+        assert results == (["ok", "ok"] if restarts else ["ok", "skipped"])
 
 
 def test_firing_again_after_resolve_is_a_new_occurrence(tmp_path: Path) -> None:

@@ -109,6 +109,9 @@ def test_a_run_killed_mid_step_is_interrupted_not_repeated(
         servers={name: s.url for name, s in servers.items()},
         wait_seconds=60,  # a slow step to be killed in
         listen=f"127.0.0.1:{port}",
+        # One worker, held by s0's slow step: s1's run cannot start before the kill, so the
+        # interleaving this test is about (answered, not yet started, then killed) is forced.
+        extra="workers: 1\n",
     )
     replica = Replica(setup, port, tmp_path / "remediator.log").start()
     try:

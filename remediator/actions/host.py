@@ -164,7 +164,10 @@ def restart_server(ctx: ActionContext, params: NoParams) -> StepResult:
     return StepResult(True, f"{summary}\n{answer.journal_text()}", details)
 
 
-@action("kill_port_ghost", NoParams, default_timeout_seconds=60.0)
+# Clears its alert: with the ghost gone PortGhost resolves within a scrape, often before the
+# playbook's restart is asked for; that restart must still run (a crash-looping unit may have
+# spent its start limit and stay down).
+@action("kill_port_ghost", NoParams, default_timeout_seconds=60.0, clears_alert=True)
 def kill_port_ghost(ctx: ActionContext, params: NoParams) -> StepResult:
     """Clear a stale process of the unit's own program from the server's port (`guard-port`).
 

@@ -13,8 +13,8 @@ templates (`"{server.url}/health"`): `render_params` fills every string from the
 `run_action` runs an action in the calling thread under a deadline: the action must honour
 `ctx.deadline` (`ctx.remaining()`) and `ctx.cancel`; whatever it raises becomes a failed
 `StepResult`, so one broken action never takes the engine down (STYLE.md, habit 7). Under
-dry-run, actions that change something are not called at all (only `read_only` ones run):
-an action author who forgets to look at `ctx.dry_run` cannot make a dry run act.
+dry-run the engine calls no action at all (it journals each step as "would run"): an action
+author who forgets to look at `ctx.dry_run` cannot make a dry run act.
 
 Two things a step can hand back to the engine besides its verdict (`StepResult`):
 - `undo`: a compensating step (`Undo`) the engine runs at the end of the run whatever happened
@@ -135,11 +135,18 @@ class RegisteredAction:
     """A registered action: its name, params model, function and default time limit.
 
     `read_only` actions observe and change nothing (probes, checks, waits): they may serve as
-    a playbook's verification probe, and they run for real under dry-run. `disruptive`
+    a playbook's verification probe, and the engine runs them without first asking whether
+    the alert still fires. `disruptive`
     actions touch their target (restart, drain, cap, kill): only they spend the target's
     disruption budget (`playbooks/budget.py`). Every action that is not read-only is
     disruptive unless it says otherwise: `escalate` changes something (it calls people, so
     it does not run under dry-run) but touches no target.
+
+    `clears_alert` actions remove, when they succeed, what their alert measures but not the
+    whole fault (a port ghost killed: `PortGhost` reads 0, yet the unit still has to start).
+    After one has acted, the alert's resolving is the run's own doing, not the fault going away
+    by itself: the engine stops asking whether the alert still fires, finishes the playbook's
+    steps and lets verification judge.
     """
 
     name: str
@@ -149,6 +156,7 @@ class RegisteredAction:
     read_only: bool = False
     undo_first: Callable[[ActionContext, Any], Undo | None] | None = None
     disruptive: bool = True
+    clears_alert: bool = False
     # What undoes it, for people (docs/actions.md): the undo step, or a restore of its own.
     undo: str = ""
 
@@ -176,6 +184,7 @@ def action(
     undo_first: Callable[[ActionContext, P], Undo | None] | None = None,
     disruptive: bool | None = None,
     undo: str = "",
+    clears_alert: bool = False,
 ) -> Callable[[Callable[[ActionContext, P], StepResult]], Callable[[ActionContext, P], StepResult]]:
     """Register `fn(ctx, params) -> StepResult` as the action `name` taking `params`.
 
@@ -186,11 +195,11 @@ def action(
 
     `disruptive` defaults to `not read_only`; a read-only action is never disruptive.
     `undo` says in words what undoes the action (docs/actions.md is generated from it): an
-    action with `undo_first` must say it.
+    action with `undo_first` must say it. `clears_alert`: see `RegisteredAction`.
 
     Raises `ValueError` for a bad or taken name, a non-positive default time limit, a
     params model that accepts unknown keys, a read-only action said to be disruptive, or an
-    `undo_first` without its `undo`.
+    `undo_first` without its `undo`, or a read-only action said to clear its alert.
     """
     if not _ACTION_NAME.match(name) or name in RESERVED_STEP_KEYS:
         raise ValueError(f"action name {name!r}: use lower_snake_case, not a reserved step key")
@@ -198,6 +207,8 @@ def action(
         raise ValueError(f"action {name}: default_timeout_seconds must be > 0")
     if read_only and disruptive:
         raise ValueError(f"action {name}: a read-only action cannot be disruptive")
+    if read_only and clears_alert:
+        raise ValueError(f"action {name}: a read-only action changes nothing, clears nothing")
     if undo_first is not None and not undo:
         raise ValueError(f"action {name}: say what undoes it (`undo`) beside `undo_first`")
     if params.model_config.get("extra") != "forbid":
@@ -221,6 +232,7 @@ def action(
                 undo_first=undo_first,
                 disruptive=not read_only if disruptive is None else disruptive,
                 undo=undo,
+                clears_alert=clears_alert,
             )
         return fn
 

@@ -46,6 +46,36 @@ _LANDING = f"""<!doctype html>
 """.encode()
 
 
+def accepts_gzip(header: str) -> bool:
+    """Whether an `Accept-Encoding` value accepts gzip (RFC 9110 §12.5.3, q-values heeded).
+
+    `gzip;q=0` refuses it; `*` stands for every coding the header does not name; a q-value
+    that is not a number reads as 0 (refused), the safe side: the plain text always works.
+    """
+    named: float | None = None
+    anything: float | None = None
+    for item in header.split(","):
+        coding, _, params = item.partition(";")
+        coding = coding.strip().lower()
+        q = 1.0
+        for param in params.split(";"):
+            key, _, value = param.strip().partition("=")
+            if key.strip().lower() == "q":
+                try:
+                    q = float(value.strip())
+                except ValueError:
+                    q = 0.0
+                if not 0.0 <= q <= 1.0:  # also NaN
+                    q = 0.0
+        if coding in ("gzip", "x-gzip"):
+            named = q if named is None else max(named, q)
+        elif coding == "*":
+            anything = q
+    if named is not None:
+        return named > 0
+    return anything is not None and anything > 0
+
+
 def _secured(app: WSGIApplication, config: WebConfig) -> WSGIApplication:
     """`app` behind the config's basic auth, adding its headers to every response."""
     extra = list(config.headers)
@@ -96,13 +126,15 @@ class MetricsServer:
             path = environ.get("PATH_INFO", "/")
             if path == "/metrics":
                 body = writer.render_registry(registry)
-                headers = [("Content-Type", CONTENT_TYPE)]
-                if "gzip" in environ.get("HTTP_ACCEPT_ENCODING", ""):
+                # The answer depends on Accept-Encoding: a cache between must know (RFC 9110).
+                headers = [("Content-Type", CONTENT_TYPE), ("Vary", "Accept-Encoding")]
+                if accepts_gzip(environ.get("HTTP_ACCEPT_ENCODING", "")):
                     body = gzip.compress(body, compresslevel=6)
                     headers.append(("Content-Encoding", "gzip"))
                 headers.append(("Content-Length", str(len(body))))
                 start_response("200 OK", headers)
-                return [body]
+                # HEAD: the headers GET would get, Content-Length included, and no body.
+                return [] if environ.get("REQUEST_METHOD") == "HEAD" else [body]
             if path == "/":
                 start_response("200 OK", [("Content-Type", "text/html; charset=utf-8")])
                 return [_LANDING]

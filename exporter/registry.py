@@ -40,6 +40,9 @@ from fleet.roster import Host
 
 log = logging.getLogger(__name__)
 
+UNRENDERABLE = "unrenderable"
+"""The `reason` of series dropped because a label value cannot be written as UTF-8."""
+
 
 @dataclass(frozen=True)
 class ExporterSettings:
@@ -67,6 +70,11 @@ class FleetCollector:
         # and two scrapers at once must not double the load on a struggling GPU.
         self._lock = threading.Lock()
         self._last_error: dict[str, str] = {}
+        # Every collector's dropped count from the start, so that the first drop is an increase.
+        self._dropped: dict[tuple[str, str], int] = {
+            (c.name, UNRENDERABLE): 0 for c in self.collectors
+        }
+        self._dropped_lock = threading.Lock()
         remote = [c for c in self.collectors if getattr(c, "reads_network", False)]
         self._pool = (
             concurrent.futures.ThreadPoolExecutor(len(remote), thread_name_prefix="collect")
@@ -95,7 +103,9 @@ class FleetCollector:
                 _merge(merged, family)
             outcomes.append(outcome)
         yield from merged.values()
-        yield from self_metrics(outcomes)
+        with self._dropped_lock:
+            dropped = dict(self._dropped)
+        yield from self_metrics(outcomes, dropped)
 
     def _run(self, collector: SourceCollector) -> tuple[list[Metric], CollectorOutcome]:
         start = self._clock()
@@ -109,6 +119,14 @@ class FleetCollector:
         except Exception as exc:
             success, error = False, f"{type(exc).__name__}: {exc}"
             log.exception("collector %s crashed", collector.name)
+        families, bad = _renderable(families)
+        if bad:
+            success = False
+            left_out = f"left out, not writable as UTF-8 text: {', '.join(sorted(bad))}"
+            error = f"{error}; {left_out}" if error else left_out
+            with self._dropped_lock:
+                key = (collector.name, UNRENDERABLE)
+                self._dropped[key] = self._dropped.get(key, 0) + sum(bad.values())
         duration = self._clock() - start
         self._log_change(collector.name, error)
         return families, CollectorOutcome(collector.name, success, duration)
@@ -132,6 +150,28 @@ class FleetCollector:
                 log.exception("closing collector %s failed", collector.name)
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _renderable(families: list[Metric]) -> tuple[list[Metric], dict[str, int]]:
+    """The families whose label values can be written as text, and the others' sample counts.
+
+    Sources clean their strings where they read them (`exporter.sources.text`); this is the
+    net under that: one value that cannot be encoded (a lone surrogate) must cost its family
+    and its collector, not fail the exposition of the whole host.
+    """
+    kept: list[Metric] = []
+    bad: dict[str, int] = {}
+    for family in families:
+        try:
+            for sample in family.samples:
+                for value in sample.labels.values():
+                    if not value.isascii():  # ASCII always encodes; checked in C
+                        value.encode()
+        except (UnicodeEncodeError, AttributeError):  # AttributeError: not a str at all
+            bad[family.name] = bad.get(family.name, 0) + len(family.samples)
+            continue
+        kept.append(family)
+    return kept, bad
 
 
 def _merge(merged: dict[str, Metric], family: Metric) -> None:

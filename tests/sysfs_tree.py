@@ -28,6 +28,7 @@ Typical use::
 from __future__ import annotations
 
 import enum
+import re
 import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -444,3 +445,40 @@ def remove_device(written: WrittenCard) -> None:
     ):
         link.unlink(missing_ok=True)
     shutil.rmtree(written.device_dir)
+
+
+# What amdgpu creates on the PCI device (amdgpu_pm.c, amdgpu_device.c, amdgpu_kms.c); the PCI
+# core's own files (vendor, device, class, config, uevent...) stay after an unbind.
+_AMDGPU_ATTRIBUTE = re.compile(
+    r"^(gpu_busy_percent|mem_busy_percent|mem_info_\w+|pp_\w+|power_dpm_\w+|unique_id|"
+    r"vbios_version|product_name|product_number|serial_number|gpu_metrics|pcie_bw|"
+    r"current_link_\w+)$"
+)
+
+
+def unbind_driver(written: WrittenCard) -> None:
+    """Simulate `echo SLOT > /sys/bus/pci/drivers/amdgpu/unbind`: the PCI directory stays.
+
+    As drivers/base/dd.c and amdgpu's teardown leave it: the `driver` link and the driver's
+    link to the device go, the uevent loses DRIVER=, the DRM card (and its class links), the
+    hwmon directory and amdgpu's attributes go.
+    """
+    card = f"card{written.spec.card}"
+    drm_class = written.root / "class" / "drm"
+    for link in (
+        drm_class / card,
+        drm_class / f"renderD{128 + written.spec.card}",
+        *(drm_class / f"{card}-{connector}" for connector in written.spec.connectors),
+        written.root / "class" / "hwmon" / written.hwmon_dir.name,
+        written.root / "bus" / "pci" / "drivers" / "amdgpu" / written.spec.pci_slot,
+        written.device_dir / "driver",
+    ):
+        link.unlink(missing_ok=True)
+    for directory in ("drm", "hwmon"):
+        shutil.rmtree(written.device_dir / directory, ignore_errors=True)
+    for entry in written.device_dir.iterdir():
+        if _AMDGPU_ATTRIBUTE.match(entry.name) and not entry.is_dir():
+            entry.unlink()
+    uevent = written.device_dir / "uevent"
+    lines = uevent.read_text().splitlines(keepends=True)
+    uevent.write_text("".join(line for line in lines if not line.startswith("DRIVER=")))

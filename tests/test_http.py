@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry, Gauge
 
-from exporter.http import MetricsServer
+from exporter.http import MetricsServer, accepts_gzip
 from exporter.registry import ExporterSettings, build_registry
 from fleet.http_front import parse_listen_address
 from fleet.roster import Host
@@ -66,6 +66,44 @@ def test_gzip_when_asked(server: MetricsServer) -> None:
     )
     assert status == 200 and headers.get("Content-Encoding") == "gzip"
     assert b"gpufleet_gpu_up" in gzip.decompress(body)
+
+
+@pytest.mark.parametrize(
+    ("header", "gzipped"),
+    [
+        ("gzip;q=0", False),
+        ("gzip; q=0.000", False),
+        ("identity, gzip;q=0", False),
+        ("*;q=0", False),
+        ("*", True),
+        ("br, *;q=0.1", True),
+        ("gzip;q=0, *", False),  # named beats the wildcard
+        ("GZIP;Q=0.5", True),
+        ("gzip;q=nope", False),
+        ("deflate", False),
+        ("", False),
+    ],
+)
+def test_gzip_heeds_q_values(server: MetricsServer, header: str, gzipped: bool) -> None:
+    assert accepts_gzip(header) is gzipped
+    status, headers, body = get(
+        f"http://127.0.0.1:{server.port}/metrics", {"Accept-Encoding": header}
+    )
+    assert status == 200 and headers["Vary"] == "Accept-Encoding"
+    assert (headers.get("Content-Encoding") == "gzip") is gzipped
+    assert b"gpufleet_gpu_up" in (gzip.decompress(body) if gzipped else body)
+
+
+def test_head_gets_the_headers_and_no_body(server: MetricsServer) -> None:
+    url = f"http://127.0.0.1:{server.port}/metrics"
+    _, got, body = get(url)
+    request = urllib.request.Request(url, method="HEAD")
+    with urllib.request.urlopen(request, timeout=10) as response:
+        assert response.status == 200
+        assert response.read() == b""
+        assert response.headers["Content-Type"] == got["Content-Type"]
+        # The length GET would get (the values move between scrapes, the length barely).
+        assert abs(int(response.headers["Content-Length"]) - len(body)) < 64
 
 
 def test_a_changed_fixture_value_shows_on_the_next_scrape(

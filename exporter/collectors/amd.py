@@ -2,9 +2,11 @@
 
 Cards are discovered once in the constructor (libudev on the real `/sys`, else a walk of
 `<sysfs>/class/drm`), then again at most every `rediscover_seconds` to pick up new ones; a
-scrape reads only the changing files of the known cards. A card whose PCI device directory
-disappears (fell off the bus, removed) keeps its `gpu` index and info and shows
-`gpufleet_gpu_up 0`.
+scrape reads only the changing files of the known cards. A card is up when amdgpu still drives
+it (its `driver` link) and at least one changing value was read this scrape. A card whose PCI
+device directory disappears (fell off the bus, removed), that was unbound from amdgpu, or that
+answers nothing keeps its `gpu` index and info, shows `gpufleet_gpu_up 0`, counts in
+`gpufleet_gpus_lost`, and its cached totals and limits are no longer exported.
 
 Sample output (one discrete card)::
 
@@ -16,12 +18,14 @@ Sample output (one discrete card)::
 
 Reads run off the scrape thread, under a deadline. amdgpu answers a sysfs read by asking the
 GPU's SMU, and a card in trouble (a hung SMU, a reset in progress, a card falling off the bus)
-can block that read in the kernel for seconds or for good. So every read of the cards (and
-rediscovery) runs on one worker thread; `collect()` waits for it at most `timeout_seconds`,
-exports the cards read by then, and raises `CollectorError`. As for NVIDIA, "not read this
-scrape" is not "read and failed": the card the worker is stuck in has no `gpufleet_gpu_up`
-and `gpufleet_gpu_read_timeout 1`, a card not reached has neither, and while the worker is
-still stuck no new work is queued behind it. A card that timed out is read last next time.
+can block that read in the kernel for seconds or for good. So each card is read on a worker
+of its own (`exporter.sources.deadline`; rediscovery on another): `collect()` waits for them
+all at most `timeout_seconds`, exports the cards read by then, and raises `CollectorError`
+naming the others. As for NVIDIA, "not read this scrape" is not "read and failed": a card
+whose read missed the deadline has no `gpufleet_gpu_up` and `gpufleet_gpu_read_timeout 1`,
+and the other cards are read on time. While that read stays stuck the card is not read again
+(nothing queues behind it: one thread per stuck card, not one per scrape) and, from the next
+scrape on, it is hung: `gpufleet_gpu_up 0`, counted in `gpufleet_gpus_lost`.
 
 Check by hand: `cat /sys/class/drm/card0/device/gpu_busy_percent`,
 `sensors amdgpu-pci-0300` (lm-sensors shows the same hwmon values in °C and W).
@@ -31,24 +35,24 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
-import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
+from functools import partial
 
 from prometheus_client.metrics_core import Metric
 
 from exporter.collectors import catalogue
 from exporter.collectors.base import CollectorError, Rediscovery
 from exporter.sources.amdgpu import AmdCard, AmdIdentity, AmdReading, discover_cards
+from exporter.sources.deadline import DeviceReads, wait_for
 from fleet.gpu_index import GpuIndex
 
 log = logging.getLogger(__name__)
 
 VENDOR = "amd"
-# The worker thread ends after this long without a scrape (a new one starts with the next).
-_WORKER_IDLE_SECONDS = 120.0
+_DISCOVERY = "(discovery)"  # the reads' lane of rediscovery, beside one per card
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +60,7 @@ class _CardRead:
     """Everything one scrape read of one card (on the worker thread)."""
 
     identity: AmdIdentity
-    present: bool
+    present: bool  # up: bound to amdgpu and a changing value read (else nothing but info)
     reading: AmdReading | None = None
     totals: tuple[tuple[str, int], ...] = ()
     temperature_limits: tuple[tuple[str, float | None, float | None], ...] = ()
@@ -64,37 +68,19 @@ class _CardRead:
     clock_max: tuple[tuple[str, float], ...] = ()
 
 
-class _Job:
-    """One scrape's reads; `collect()` takes what has landed by its deadline."""
-
-    def __init__(self, slow: frozenset[str]) -> None:
-        self.slow = slow
-        self.done = threading.Event()
-        self.cancelled = threading.Event()
-        self.failure: str | None = None
-        self.cards: tuple[AmdCard, ...] = ()
-        self.current: str | None = None  # PCI slot of the card being read
-        self._lock = threading.Lock()
-        self._reads: dict[str, _CardRead] = {}
-
-    def record(self, slot: str, read: _CardRead) -> None:
-        with self._lock:
-            self._reads[slot] = read
-            self.current = None
-
-    def reads(self) -> dict[str, _CardRead]:
-        with self._lock:
-            return dict(self._reads)
-
-
 def _read_card(card: AmdCard) -> _CardRead:
     identity = card.identity()
-    if not card.present():
+    if not card.present() or not card.bound():
         return _CardRead(identity, present=False)  # every read would fail: skip them
+    reading = card.read()
+    if not reading.any():
+        # Bound, yet not one changing value read (a card going away, attributes gone):
+        # not up, and its cached statics are not a reading of a live card.
+        return _CardRead(identity, present=False)
     return _CardRead(
         identity,
         present=True,
-        reading=card.read(),
+        reading=reading,
         totals=tuple(card.memory_totals()),
         temperature_limits=tuple(card.temperature_limits()),
         power_limits=tuple(card.power_limits()),
@@ -130,11 +116,7 @@ class AmdCollector:
         self._timeout = timeout_seconds
         # Identities read so far, by PCI slot: the info series of a card not read this scrape.
         self._identities: dict[str, AmdIdentity] = {}
-        self._slow: frozenset[str] = frozenset()  # cards whose read timed out lately
-        self._lock = threading.Lock()  # guards the worker, its queue and the busy job
-        self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
-        self._worker: threading.Thread | None = None
-        self._busy: _Job | None = None
+        self._reads = DeviceReads("amdgpu")
         self._closed = False
         # Discovery at start runs here: the registry needs the bus ids before any scrape.
         self._discover()
@@ -174,87 +156,61 @@ class AmdCollector:
 
     def collect(self) -> Iterator[Metric]:
         """Yield fresh families for every card read in time (see the module docstring)."""
-        job = self._submit()
-        if job is None:
-            if self._closed:
-                return
-            with self._lock:
-                busy = self._busy
-            stuck = busy.current if busy is not None else None
-            yield from self._families({}, {stuck} if stuck else set())
-            raise CollectorError(
-                f"amdgpu sysfs read still stuck on card {stuck or '(discovery)'} since an "
-                "earlier scrape; no new reads queued"
-            )
-        finished = job.done.wait(self._timeout)
-        timed_out: set[str] = set()
-        if not finished:
-            job.cancelled.set()
-            current = job.current
-            if current is not None:
-                timed_out.add(current)
-        reads = job.reads()
-        timed_out -= set(reads)
-        self._slow = (self._slow - set(reads)) | frozenset(timed_out)
-        yield from self._families(reads, timed_out)
-        if not finished:
-            where = f"card {min(timed_out)}" if timed_out else "discovery"
-            raise CollectorError(
-                f"amdgpu sysfs read of {where} did not return within {self._timeout:g} s"
-            )
-        if job.failure is not None:
-            raise CollectorError(job.failure)
-
-    # -- the worker ----------------------------------------------------------------------------
-
-    def _submit(self) -> _Job | None:
-        """Queue a scrape's reads, unless closed or the worker is still stuck in earlier ones."""
-        with self._lock:
-            if self._closed or self._busy is not None:
-                return None
-            job = _Job(self._slow)
-            self._busy = job
-            self._jobs.put(job)
-            if self._worker is None or not self._worker.is_alive():
-                self._worker = threading.Thread(target=self._work, name="amdgpu-read", daemon=True)
-                self._worker.start()
-        return job
-
-    def _work(self) -> None:
-        while True:
-            try:
-                job = self._jobs.get(timeout=_WORKER_IDLE_SECONDS)
-            except queue.Empty:
-                with self._lock:
-                    # Idle: end, unless a job was queued meanwhile (then take it).
-                    if self._jobs.empty():
-                        self._worker = None
-                        return
-                continue
-            try:
-                self._run(job)
-            except Exception as err:
-                # A bug here must not leave the collector stuck as "busy" for ever.
-                log.exception("amdgpu read job failed")
-                job.failure = f"amdgpu read failed: {type(err).__name__}: {err}"
-            finally:
-                with self._lock:
-                    self._busy = None
-                job.done.set()
-
-    def _run(self, job: _Job) -> None:
-        self._rediscovery.run_if_due()
-        cards = sorted(self._cards, key=lambda c: (c.location.pci_slot in job.slow,))
-        job.cards = tuple(cards)
+        if self._closed:
+            return
+        deadline = time.monotonic() + self._timeout
+        reads = self._reads
+        # Rediscovery on a lane of its own: a walk stuck in the kernel must not stop the reads.
+        # Usually not due (no wait at all); when due, a new card is read this very scrape, and
+        # a walk that hangs costs half the deadline once, then is not waited on again.
+        discovering = reads.submit(_DISCOVERY, self._rediscovery.run_if_due)
+        if discovering is not None:
+            wait_for([discovering], self._timeout / 2)
+        cards = self._cards  # a snapshot: discovery replaces the tuple, never mutates it
+        started: dict[str, Future[_CardRead]] = {}
+        hung: set[str] = set()
         for card in cards:
-            if job.cancelled.is_set():
-                return  # past the deadline: nobody reads the rest
-            job.current = card.location.pci_slot
-            job.record(card.location.pci_slot, _read_card(card))
+            slot = card.location.pci_slot
+            future = reads.submit(slot, partial(_read_card, card))
+            if future is None:
+                hung.add(slot)  # its read of an earlier scrape is still stuck
+            else:
+                started[slot] = future
+        wait_for(started.values(), deadline - time.monotonic())
+        done: dict[str, _CardRead] = {}
+        timed_out: set[str] = set()
+        problems: list[str] = []
+        for slot, future in started.items():
+            if not future.done():
+                timed_out.add(slot)
+            elif (error := future.exception()) is not None:
+                # A bug here costs that card's reading, said once per scrape, never the others.
+                problems.append(f"card {slot}: read failed: {type(error).__name__}: {error}")
+            else:
+                done[slot] = future.result()
+        yield from self._families(done, timed_out, hung)
+        if timed_out:
+            problems.insert(
+                0,
+                f"amdgpu sysfs read of card {', '.join(sorted(timed_out))} did not return "
+                f"within {self._timeout:g} s",
+            )
+        if hung:
+            problems.insert(
+                0,
+                f"amdgpu sysfs read still stuck on card {', '.join(sorted(hung))} since an "
+                "earlier scrape; not read again until it returns",
+            )
+        if discovering is None:
+            problems.append("amdgpu rediscovery still stuck since an earlier scrape")
+        if problems:
+            raise CollectorError("; ".join(problems))
 
     # -- families ------------------------------------------------------------------------------
 
-    def _families(self, reads: dict[str, _CardRead], timed_out: set[str]) -> Iterator[Metric]:
+    def _families(
+        self, reads: dict[str, _CardRead], timed_out: set[str], hung: set[str]
+    ) -> Iterator[Metric]:
         cards = self._cards
         for slot, done in reads.items():
             self._identities[slot] = done.identity
@@ -300,7 +256,12 @@ class AmdCollector:
                     1,
                 )
             if read is None:
-                unread += 1
+                if slot in hung:
+                    # Stuck since an earlier scrape: not a slow read any more, a hung card.
+                    read_timeout.add_metric((gpu,), 1)
+                    up.add_metric((gpu,), 0)
+                    continue
+                unread += 1  # timed out this once (or its read failed): unknown, not lost
                 if slot in timed_out:
                     read_timeout.add_metric((gpu,), 1)
                 continue
@@ -357,6 +318,6 @@ class AmdCollector:
         yield from (family for family in families if family.samples)
 
     def close(self) -> None:
-        """Let the worker end: it stops taking reads (a read stuck in the kernel stays so)."""
-        with self._lock:
-            self._closed = True
+        """Stop taking reads; workers end (a read stuck in the kernel stays so, on a daemon)."""
+        self._closed = True
+        self._reads.close()

@@ -825,6 +825,17 @@ _FAMILIES: tuple[Family, ...] = (
         doc=("time the collector took"),
     ),
     Family(
+        "gpufleet_exporter_series_dropped_total",
+        COUNTER,
+        "Series a collector made but the exporter did not export, by reason.",
+        ("collector", "reason"),
+        doc=(
+            "`reason`: `unrenderable` (a label value that cannot be written as UTF-8 text: the "
+            "whole family is left out and the collector reads `collector_success 0`); one "
+            "series per collector and reason from the start, at 0"
+        ),
+    ),
+    Family(
         "gpufleet_exporter_build_info",
         GAUGE,
         "The exporter's version and the Python running it.",

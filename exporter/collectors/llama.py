@@ -43,6 +43,7 @@ KEYFILE)"` when the server has an API key). Do not `curl .../slots` on a sleepin
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import threading
 import time
@@ -57,7 +58,7 @@ from prometheus_client.metrics_core import Metric
 from exporter.collectors import catalogue
 from exporter.collectors.base import CollectorError
 from exporter.sources.bounded import Lanes, Pending, Request
-from exporter.sources.http_client import Answer, Outcome, read_secret
+from exporter.sources.http_client import MAX_BODY_BYTES, Answer, Outcome, read_secret
 from exporter.sources.llama_api import (
     MODEL_STATES,
     EndpointState,
@@ -121,6 +122,19 @@ _OTHER = (
 )
 
 
+BODY_CAPS: Mapping[str, int] = {
+    # What llama-server sends, with room (tests/fixtures/llama/ holds the pinned build's):
+    # /health is a line; /props carries the chat template (tens of KB); /metrics is ~2 KB;
+    # /models lists a router's children; /slots grows with the slots (~2 KB each).
+    "health": 64 * 1024,
+    "props": 2 * 1024 * 1024,
+    "metrics": 1024 * 1024,
+    "models": 2 * 1024 * 1024,
+    "slots": MAX_BODY_BYTES,
+}
+"""The most bytes each llama-server endpoint's answer may have; past it the endpoint is `error`."""
+
+
 @dataclass
 class _Target:
     """What one reading is about: the server itself, or one router model (`served_model`)."""
@@ -153,6 +167,21 @@ class _Part:
     metrics: Answer | None = None
     slots: Answer | None = None
     slots_skipped: str = ""  # why /slots was not asked ("" when it was, or the server is down)
+    # `/metrics` parsed (or the ParseError's message), once per scrape: deciding on /slots and
+    # exporting both need it.
+    _parsed: tuple[dict[str, float], str | None] | str | None = None
+
+    def parsed_metrics(self) -> tuple[dict[str, float], str | None]:
+        """The `/metrics` answer through `_metrics`, parsed at most once; raises `ParseError`."""
+        if self._parsed is None:
+            body = self.metrics.body if self.metrics is not None else b""
+            try:
+                self._parsed = _metrics(body)
+            except ParseError as exc:
+                self._parsed = str(exc)
+        if isinstance(self._parsed, str):
+            raise ParseError(self._parsed)
+        return self._parsed
 
 
 @dataclass
@@ -223,7 +252,12 @@ class LlamaCollector:
 
         def ask(lane: str, path: str, headers: tuple[tuple[str, str], ...]) -> Pending:
             remaining = max(0.01, deadline - self._clock())
-            request = Request(f"{server.url}{path}", remaining, headers=headers)
+            request = Request(
+                f"{server.url}{path}",
+                remaining,
+                headers=headers,
+                max_bytes=BODY_CAPS[lane.split("/", maxsplit=1)[0]],
+            )
             return lanes.start((name, lane), request)
 
         health = ask("health", "/health", ())  # never needs the key
@@ -396,7 +430,7 @@ class LlamaCollector:
                 model,
                 endpoint="metrics",
                 answer=part.metrics,
-                parse=_metrics,
+                parse=lambda _body: part.parsed_metrics(),
                 states=states,
                 read=read,
             )
@@ -536,7 +570,10 @@ def _wants_slots(part: _Part, props: Props | None) -> bool:
         # Unknown counts as possibly asleep: a wrong guess must not wake the server.
         part.slots_skipped = "sleeping" if props and props.is_sleeping else "unknown"
         return False
-    values = _parse_or_none(part.metrics, lambda b: parse_metrics(b)[0]) or {}
+    values: dict[str, float] = {}
+    if part.metrics is not None and part.metrics.ok:
+        with contextlib.suppress(ParseError):
+            values = part.parsed_metrics()[0]
     processing = values.get("requests_processing")
     if processing is None:
         part.slots_skipped = "unknown"

@@ -74,11 +74,18 @@ from exporter.sources.nvml import (
     needs_reinit,
     pci_id,
 )
+from exporter.sources.text import clean_label
 from fleet.gpu_index import GpuIndex, normalize_pci_bus_id
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+def _label(value: object) -> str:
+    """An identity string from NVML as a label value ("" where it gave none)."""
+    return clean_label(value) if isinstance(value, str) else ""
+
 
 VENDOR = "nvidia"
 
@@ -359,7 +366,8 @@ class _DeviceReader:
         model = self.get(nvml.nvmlDeviceGetName, handle)
         uuid = self.get(nvml.nvmlDeviceGetUUID, handle)
         vbios = self.get(nvml.nvmlDeviceGetVbiosVersion, handle)
-        self.identity = (model or "", uuid or "", vbios or "")
+        # The driver's strings, yet a label value must never fail the exposition.
+        self.identity = (_label(model), _label(uuid), _label(vbios))
 
     def _fields(self) -> None:
         nvml, h = self._nvml, self._known.handle

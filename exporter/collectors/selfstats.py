@@ -4,6 +4,7 @@ Sample output:
 
     gpufleet_exporter_collector_success{collector="amd"} 1.0
     gpufleet_exporter_collector_duration_seconds{collector="amd"} 0.00061
+    gpufleet_exporter_series_dropped_total{collector="llama",reason="unrenderable"} 0.0
     gpufleet_exporter_build_info{version="0.1.0",python_version="3.11.7"} 1.0
 
 Check by hand: `gpu-fleet-exporter --once | grep gpufleet_exporter_`.
@@ -12,7 +13,7 @@ Check by hand: `gpu-fleet-exporter --once | grep gpufleet_exporter_`.
 from __future__ import annotations
 
 import platform
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from prometheus_client.metrics_core import Metric
@@ -30,8 +31,10 @@ class CollectorOutcome:
     duration_seconds: float
 
 
-def self_metrics(outcomes: Sequence[CollectorOutcome]) -> Iterator[Metric]:
-    """The exporter's own families for one scrape."""
+def self_metrics(
+    outcomes: Sequence[CollectorOutcome], dropped: Mapping[tuple[str, str], int]
+) -> Iterator[Metric]:
+    """The exporter's own families for one scrape; `dropped` counts by (collector, reason)."""
     success = catalogue.gauge("gpufleet_exporter_collector_success")
     duration = catalogue.gauge("gpufleet_exporter_collector_duration_seconds")
     for outcome in outcomes:
@@ -39,6 +42,10 @@ def self_metrics(outcomes: Sequence[CollectorOutcome]) -> Iterator[Metric]:
         duration.add_metric([outcome.name], outcome.duration_seconds)
     yield success
     yield duration
+    series_dropped = catalogue.counter("gpufleet_exporter_series_dropped_total")
+    for (collector, reason), count in sorted(dropped.items()):
+        series_dropped.add_metric([collector, reason], float(count))
+    yield series_dropped
     build = catalogue.gauge("gpufleet_exporter_build_info")
     build.add_metric([__version__, platform.python_version()], 1.0)
     yield build

@@ -67,6 +67,8 @@ from exporter.collectors import catalogue
 from exporter.collectors.base import CollectorError
 from exporter.sources.bounded import MARGIN_SECONDS, Lanes, Pending, Request
 from exporter.sources.http_client import Answer, Outcome, read_secret
+from exporter.sources.scan import OverBudget, check_head, our_lines, plausible
+from exporter.sources.text import clean_label
 from fleet.roster import Server
 
 log = logging.getLogger(__name__)
@@ -75,6 +77,10 @@ ENGINE = "vllm"
 ENDPOINT_STATES = ("ok", "busy", "disabled", "error")
 # Past the calls' own deadline, so that a call which times out reports it itself.
 DEFAULT_MARGIN_SECONDS = MARGIN_SECONDS
+METRICS_MAX_BYTES = 4 * 1024 * 1024
+"""The most bytes a vLLM `/metrics` answer may have (one engine's is ~100 KB, mostly buckets)."""
+METRICS_MAX_LINES = 50_000
+"""The most `vllm:` lines it may have (histograms per engine: a few thousand on a big host)."""
 
 # vLLM's sample names (the text format's, with the counters' `_total`), from
 # vllm/v1/metrics/loggers.py PrometheusStatLogger.
@@ -248,7 +254,8 @@ class VllmCollector:
         for name, server in self._servers.items():
             # vLLM answers /health without a key (its --api-key guards /v1/* only).
             health[name] = self._lanes.start(
-                (name, "health"), Request(f"{server.url}/health", server.timeout_seconds)
+                (name, "health"),
+                Request(f"{server.url}/health", server.timeout_seconds, max_bytes=64 * 1024),
             )
             metrics[name] = self._start_metrics(name, server, failures)
         self._lanes.wait(
@@ -282,7 +289,12 @@ class VllmCollector:
                 # Calling without the key would only earn a 401 and hide the real cause.
                 return _MetricsRead("error", detail=problem, key_problem=problem)
             headers = (("Authorization", f"Bearer {key}"),)
-        request = Request(f"{server.url}/metrics", server.timeout_seconds, headers=headers)
+        request = Request(
+            f"{server.url}/metrics",
+            server.timeout_seconds,
+            headers=headers,
+            max_bytes=METRICS_MAX_BYTES,
+        )
         return self._lanes.start((name, "metrics"), request)
 
     def _export(
@@ -341,10 +353,16 @@ def _metrics_read(answer: Answer) -> _MetricsRead:
     if answer.status != 200:
         return _MetricsRead("error", detail=f"HTTP {answer.status}")
     try:
-        samples = _vllm_samples(answer.body.decode("utf-8"))
+        samples = _vllm_samples(our_lines(answer.body, "vllm:", max_lines=METRICS_MAX_LINES))
+    except OverBudget as exc:
+        return _MetricsRead("error", detail=str(exc))
     except ValueError as exc:  # UnicodeDecodeError is one too
         return _MetricsRead("error", detail=f"unparsable: {exc}")
     if not samples:
+        try:
+            check_head(answer.body)
+        except ValueError as exc:
+            return _MetricsRead("error", detail=f"unparsable: {exc}")
         # vLLM registers its stat logger only without --disable-log-stats; what is left
         # (python_*, process_*, http_*) says nothing about the engine.
         return _MetricsRead("disabled", detail="no vllm: series (--disable-log-stats?)")
@@ -366,11 +384,14 @@ def _api_key(path: Path) -> tuple[str, str]:
 
 
 def _vllm_samples(text: str) -> _Samples:
-    """The `vllm:` samples by sample name; `ValueError` when the text is not the text format."""
+    """The `vllm:` samples by sample name; `ValueError` when the text is not the text format.
+
+    A value that is NaN, infinite or negative is left out: unknown (`scan.plausible`).
+    """
     samples: _Samples = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name.startswith("vllm:"):
+            if sample.name.startswith("vllm:") and plausible(sample.value):
                 samples.setdefault(sample.name, []).append(sample)
     return samples
 
@@ -386,7 +407,7 @@ def _served_model(samples: _Samples) -> str:
         for sample in samples.get(name, ()):
             model = sample.labels.get("model_name")
             if model:
-                return model
+                return clean_label(model)
     return ""
 
 

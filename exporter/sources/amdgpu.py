@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from exporter.sources.hwmon import HwmonChip, TempSensor, channel_numbers, read_chip
 from exporter.sources.sysfs import StaticValue, read_bytes, read_int, read_text
+from exporter.sources.text import clean_label
 from fleet.gpu_index import normalize_pci_bus_id
 
 try:
@@ -102,7 +103,7 @@ def _read_identity_text(path: str) -> str | None:
     if data is None or b"\0" in data:
         return None
     try:
-        return data.decode().strip()
+        return clean_label(data.decode().strip())
     except UnicodeDecodeError:
         return None
 
@@ -134,12 +135,19 @@ def _card_number(location: CardLocation) -> int:
     return int(location.card[4:])
 
 
-def _driven_by_amdgpu(device_link: str, uevent: dict[str, str]) -> bool:
+def _driven_by_amdgpu(device_link: str, uevent: dict[str, str], *, fresh: bool = False) -> bool:
+    """Whether the device's driver is amdgpu: its `driver` link, else its uevent's DRIVER.
+
+    `fresh`: read the uevent here, only where the link is missing (a scrape's check: readlink
+    alone is the common case).
+    """
     try:
-        driver = os.path.basename(os.readlink(os.path.join(device_link, "driver")))
+        return os.path.basename(os.readlink(os.path.join(device_link, "driver"))) == DRIVER
     except OSError:
-        driver = ""  # no driver link (a copied tree, `cp -r` drops it): the uevent may say
-    return driver == DRIVER or uevent.get("DRIVER") == DRIVER
+        pass  # no driver link (unbound, or a copied tree: `cp -r` drops it): the uevent says
+    if fresh:
+        uevent = parse_uevent(read_text(os.path.join(device_link, "uevent")))
+    return uevent.get("DRIVER") == DRIVER
 
 
 def walk_cards(sysfs: str) -> list[CardLocation]:
@@ -224,7 +232,10 @@ class AmdIdentity:
 
 @dataclass(slots=True)
 class AmdReading:
-    """The changing values of one card at one scrape, in base units; None/absent = unknown."""
+    """The changing values of one card at one scrape, in base units; None/absent = unknown.
+
+    `any()`: whether anything was read at all; a card that answers nothing is not up.
+    """
 
     utilization: float | None = None
     memory_utilization: float | None = None
@@ -235,6 +246,20 @@ class AmdReading:
     energy_joules: float | None = None
     fan_rpm: int | None = None
     clocks: list[tuple[str, float]] = field(default_factory=list)
+
+    def any(self) -> bool:
+        """Whether at least one changing value was read."""
+        return bool(self.memory_used or self.temperatures or self.clocks) or any(
+            v is not None
+            for v in (
+                self.utilization,
+                self.memory_utilization,
+                self.power_watts,
+                self.power_cap_watts,
+                self.energy_joules,
+                self.fan_rpm,
+            )
+        )
 
 
 class AmdCard:
@@ -316,6 +341,14 @@ class AmdCard:
     def present(self) -> bool:
         """Whether the card's PCI device directory still exists (gone: fell off the bus)."""
         return os.path.exists(self.location.device_dir)
+
+    def bound(self) -> bool:
+        """Whether amdgpu still drives the card (an unbind keeps the PCI directory).
+
+        After `echo SLOT > /sys/bus/pci/drivers/amdgpu/unbind` the `driver` link, the DRM card,
+        `hwmon/` and amdgpu's attributes go; the uevent loses its DRIVER line with the link.
+        """
+        return _driven_by_amdgpu(self.location.device_dir, {}, fresh=True)
 
     def identity(self) -> AmdIdentity:
         """The card's identity from cached values (unknown parts re-read until known)."""

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, replace
 
-from exporter.sources.http_client import Answer, Outcome, Watchdog, call
+from exporter.sources.http_client import MAX_BODY_BYTES, Answer, Outcome, Watchdog, call
 
 # Between a call's own cut and its waiter's deadline, so that a call that times out reports
 # it itself (with its detail) rather than being read as "still running". Taken out of the
@@ -46,6 +46,8 @@ class Request:
     method: str = "GET"
     body: bytes | None = None
     headers: tuple[tuple[str, str], ...] = ()
+    # What the endpoint really sends, with room: a bigger answer is an error, not read on.
+    max_bytes: int = MAX_BODY_BYTES
 
 
 class Pending:
@@ -113,6 +115,7 @@ class Lanes:
             method=request.method,
             body=request.body,
             headers=dict(request.headers),
+            max_bytes=request.max_bytes,
         )
 
     def _call_by(self, request: Request, cut: float) -> Answer:

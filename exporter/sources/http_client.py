@@ -32,6 +32,7 @@ from urllib.parse import urlsplit
 
 USER_AGENT = "gpu-fleet-exporter"
 MAX_BODY_BYTES = 8 * 1024 * 1024  # /slots of a many-slot server is the largest answer we read
+"""The default and the largest cap on an answer's body; each endpoint sets its own below it."""
 
 
 class Outcome(Enum):
@@ -151,8 +152,12 @@ def call(
     body: bytes | None = None,
     headers: dict[str, str] | None = None,
     ssl_context: ssl.SSLContext | None = None,
+    max_bytes: int = MAX_BODY_BYTES,
 ) -> Answer:
-    """One HTTP request, finished or cut within `timeout` seconds; never raises for the network."""
+    """One HTTP request, finished or cut within `timeout` seconds; never raises for the network.
+
+    A body over `max_bytes` is an ERROR answer: what is past the cap is never read.
+    """
     deadline = watchdog.clock() + timeout
     parts = urlsplit(url)
     path = parts.path or "/"
@@ -178,11 +183,11 @@ def call(
             ticket = watchdog.watch(conn.sock, deadline)
         conn.request(method, path, body=body, headers=send_headers)
         response = conn.getresponse()
-        data = response.read(MAX_BODY_BYTES + 1)
+        data = response.read(max_bytes + 1)
         if ticket is not None and watchdog.release(ticket):
             return late  # the cut may have ended the read early: the body is incomplete
-        if len(data) > MAX_BODY_BYTES:
-            return Answer(Outcome.ERROR, detail=f"answer larger than {MAX_BODY_BYTES} bytes")
+        if len(data) > max_bytes:
+            return Answer(Outcome.ERROR, detail=f"answer larger than {max_bytes} bytes")
         return Answer(Outcome.ANSWERED, response.status, data)
     except TimeoutError:
         return late

@@ -26,6 +26,7 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 from exporter.sources.sysfs import StaticValue, read_int, read_text
+from exporter.sources.text import clean_label
 
 _TEMP_VALUES = ("_input", "_crit", "_emergency")
 
@@ -99,6 +100,7 @@ def read_chip(path: str) -> HwmonChip | None:
         # (node_exporter's `hwmon4`). Its directory name is the only handle there is: not
         # stable across boots, but its temperatures are better seen than dropped.
         name = os.path.basename(os.path.normpath(path))
+    name = clean_label(name)
     device_link = os.path.join(path, "device")
     # hwmon numbers follow probe order and change across boots; the parent device's path
     # (PCI address, platform device) does not, so it orders chips that share a name.
@@ -118,6 +120,7 @@ def read_chip(path: str) -> HwmonChip | None:
         channel = f"temp{number}"
         label_path = path_or_none(f"{channel}_label")
         label = read_text(label_path) if label_path is not None else None
+        label = clean_label(label) if label is not None else None
         sensor = unique_name(label or channel, channel, taken)
         taken.add(sensor)
         temps.append(

@@ -28,6 +28,8 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from exporter.sources.http_client import Answer, Outcome
+from exporter.sources.scan import OverBudget, our_lines, plausible
+from exporter.sources.text import clean_label
 
 
 class Health(Enum):
@@ -173,8 +175,8 @@ def parse_props(body: bytes) -> Props:
         # A router answers n_ctx 0: it has no context of its own (its children do).
         n_ctx_per_slot=None if router or not n_ctx else n_ctx,
         total_slots=_int(data.get("total_slots")),
-        alias="" if router or not isinstance(alias, str) else alias,
-        build=build if isinstance(build, str) and build != UNKNOWN_BUILD else "",
+        alias="" if router or not isinstance(alias, str) else clean_label(alias),
+        build=clean_label(build) if isinstance(build, str) and build != UNKNOWN_BUILD else "",
         is_sleeping=sleeping if isinstance(sleeping, bool) else None,
         router=router,
     )
@@ -191,11 +193,13 @@ def parse_models(body: bytes) -> list[RouterModel]:
     for entry in entries:
         if not isinstance(entry, dict) or not isinstance(entry.get("id"), str) or not entry["id"]:
             raise ParseError("/models entry without a string id")
-        if entry["id"] in seen:
+        model_id = clean_label(entry["id"])
+        if model_id in seen:
             # A model listed twice would be exported twice (a duplicate series): the first
-            # entry stands.
+            # entry stands. Compared once cleaned: two ids that differ only past the cap or in
+            # unprintable characters would become one label value.
             continue
-        seen.add(entry["id"])
+        seen.add(model_id)
         status = entry.get("status")
         status = status if isinstance(status, dict) else {}
         value = status.get("value")
@@ -204,9 +208,9 @@ def parse_models(body: bytes) -> list[RouterModel]:
         failed = status.get("failed") is True
         state = "failed" if failed else value
         if state not in MODEL_STATES:
-            raise ParseError(f"/models: {entry['id']}: unknown status {value!r}")
+            raise ParseError(f"/models: {model_id}: unknown status {clean_label(repr(value))}")
         models.append(
-            RouterModel(entry["id"], state, _int(status.get("exit_code")) if failed else None)
+            RouterModel(model_id, state, _int(status.get("exit_code")) if failed else None)
         )
     return models
 
@@ -247,33 +251,30 @@ def parse_slots(body: bytes) -> list[Slot]:
     return slots
 
 
-def _finite_or_special(value: float) -> bool:
-    """Whether `value` is a float the exposition can write (NaN and ±Inf are such floats)."""
-    try:
-        float(value)
-    except OverflowError:
-        return False
-    return True
+METRICS_MAX_LINES = 2_000
+"""The most `llamacpp:` lines a `/metrics` answer may have (today's builds write about 40)."""
 
 
 def parse_metrics(body: bytes) -> tuple[dict[str, float], list[str]]:
-    """Parse `/metrics` with prometheus_client's parser.
+    """Parse the `llamacpp:` lines of `/metrics` (`exporter.sources.scan`) with prometheus_client.
 
     Returns our keys (see `METRIC_NAMES`, `OPTIONAL_METRIC_NAMES`) to values, and the llamacpp:
-    names that were expected but missing (an upstream rename).
+    names that were expected but missing (an upstream rename). A value that is NaN, infinite,
+    negative or past a float's range is left out: unknown, never exported (`scan.plausible`).
     """
     try:
-        text = body.decode("utf-8")
+        text = our_lines(body, "llamacpp:", max_lines=METRICS_MAX_LINES)
         samples = {
             sample.name: sample.value
             for family in text_string_to_metric_families(text)
             for sample in family.samples
         }
-    except (ValueError, UnicodeDecodeError) as exc:
+    except OverBudget as exc:
+        raise ParseError(str(exc)) from None
+    except ValueError as exc:  # UnicodeDecodeError is one too
         raise ParseError(f"unparsable exposition: {exc}") from None
-    # The parser reads an integer-looking value as a Python int of any length; one past a
-    # float's range is garbage, and exported it would fail the whole exposition.
-    samples = {name: value for name, value in samples.items() if _finite_or_special(value)}
+    present = set(samples)  # an implausible value is unknown, not a renamed series
+    samples = {name: value for name, value in samples.items() if plausible(value)}
     names = {**METRIC_NAMES, **OPTIONAL_METRIC_NAMES}
     values = {}
     for key, name in names.items():
@@ -283,5 +284,5 @@ def parse_metrics(body: bytes) -> tuple[dict[str, float], list[str]]:
             if spelling in samples:
                 values[key] = samples[spelling]
                 break
-    missing = [name for key, name in METRIC_NAMES.items() if key not in values]
+    missing = [name for name in METRIC_NAMES.values() if not {name, f"{name}_total"} & present]
     return values, missing

@@ -21,6 +21,7 @@ import logging
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
@@ -162,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.buffer.write(TextWriter().render_registry(registry))
             sys.stdout.flush()
             return 0
-        return _serve(registry, listen, web_config)
+        return _serve(registry, listen, web_config, on_stop=fleet.interrupt)
     finally:
         fleet.close()
 
@@ -189,7 +190,11 @@ def _checked(
 
 
 def _serve(
-    registry: CollectorRegistry, listen: tuple[str, int], web_config: WebConfig | None
+    registry: CollectorRegistry,
+    listen: tuple[str, int],
+    web_config: WebConfig | None,
+    *,
+    on_stop: Callable[[], None],
 ) -> int:
     try:
         server = MetricsServer(registry, *listen, web_config=web_config)
@@ -217,6 +222,9 @@ def _serve(
     if web_config is not None:
         log.info("%s: %s", web_config.source, web_config.describe())
     stop.wait()
+    # Scrapes in progress answer now: serving stops within seconds whatever source is stuck
+    # (a stuck read stays on a daemon thread, which does not hold the process).
+    on_stop()
     server.stop()
     return 0
 

@@ -14,6 +14,7 @@ Check by hand: `curl -s 127.0.0.1:9445/metrics | head -1`.
 from __future__ import annotations
 
 import gzip
+import math
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 from wsgiref.types import StartResponse, WSGIApplication, WSGIEnvironment
@@ -22,6 +23,7 @@ from prometheus_client import CollectorRegistry
 
 from exporter import __version__
 from exporter.exposition import CONTENT_TYPE, TextWriter
+from exporter.registry import SCRAPE_TIMEOUT
 from fleet.http_front import (
     MAX_CONNECTIONS,
     READ_TIMEOUT_SECONDS,
@@ -44,6 +46,15 @@ _LANDING = f"""<!doctype html>
 <body><h1>gpu-fleet-exporter {__version__}</h1>
 <p><a href="/metrics">Metrics</a></p></body></html>
 """.encode()
+
+
+def scrape_timeout(header: str) -> float | None:
+    """Prometheus' `X-Prometheus-Scrape-Timeout-Seconds` as seconds; None when absent or bad."""
+    try:
+        value = float(header)
+    except ValueError:
+        return None
+    return value if math.isfinite(value) and value > 0 else None
 
 
 def accepts_gzip(header: str) -> bool:
@@ -125,7 +136,13 @@ class MetricsServer:
         def metrics_app(environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
             path = environ.get("PATH_INFO", "/")
             if path == "/metrics":
-                body = writer.render_registry(registry)
+                token = SCRAPE_TIMEOUT.set(
+                    scrape_timeout(environ.get("HTTP_X_PROMETHEUS_SCRAPE_TIMEOUT_SECONDS", ""))
+                )
+                try:
+                    body = writer.render_registry(registry)
+                finally:
+                    SCRAPE_TIMEOUT.reset(token)
                 # The answer depends on Accept-Encoding: a cache between must know (RFC 9110).
                 headers = [("Content-Type", CONTENT_TYPE), ("Vary", "Accept-Encoding")]
                 if accepts_gzip(environ.get("HTTP_ACCEPT_ENCODING", "")):

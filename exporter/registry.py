@@ -1,20 +1,26 @@
 """Builds the exporter's registry from the roster and the command-line settings.
 
-All source collectors hang under one `FleetCollector`, which runs them in turn under a
-supervisor: a collector that raises loses only its own series (and what it yielded before the
-error is kept), its success and duration are recorded, and families that several collectors
-emit (`gpufleet_gpu_info` from NVIDIA and AMD alike) are merged into one, because the text
-format allows a family's HELP and TYPE only once.
+All source collectors hang under one `FleetCollector`, which runs them under a supervisor,
+off the scrape thread (`exporter.sources.deadline`: the local ones in turn, each collector of
+model servers beside them), under one deadline for the scrape: Prometheus'
+`X-Prometheus-Scrape-Timeout-Seconds` (else 10 s) less 0.5 s. A collector that raises loses
+only its own series (and what it yielded before the error is kept); one that has not finished
+by the deadline, or is still stuck since an earlier scrape, yields nothing this scrape and
+reads `gpufleet_exporter_collector_success 0`, while the scrape answers on time with the
+others. Its success and duration are recorded, and families that several collectors emit
+(`gpufleet_gpu_info` from NVIDIA and AMD alike) are merged into one, because the text format
+allows a family's HELP and TYPE only once.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
+import contextvars
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry
@@ -32,6 +38,7 @@ from exporter.collectors.selfstats import CollectorOutcome, self_metrics
 from exporter.collectors.server_memory import ServerMemoryCollector
 from exporter.collectors.units import UnitsCollector
 from exporter.collectors.vllm import VllmCollector
+from exporter.sources.deadline import Batch, SerialReads
 from exporter.sources.nvml import load_backend
 from exporter.sources.pci import number_host_gpus
 from exporter.sources.systemd import UnitsReader
@@ -39,6 +46,25 @@ from fleet.gpu_index import GpuIndex
 from fleet.roster import Host
 
 log = logging.getLogger(__name__)
+
+DEFAULT_SCRAPE_TIMEOUT_SECONDS = 10.0
+"""The scrape timeout assumed when the scraper names none (Prometheus' default, and ours)."""
+TIMEOUT_OFFSET_SECONDS = 0.5
+"""How far before the scraper's timeout the exporter answers (as blackbox_exporter does)."""
+MIN_DEADLINE_SECONDS = 0.5
+"""The shortest deadline a scrape gets, whatever the scraper says."""
+SCRAPE_TIMEOUT: contextvars.ContextVar[float | None] = contextvars.ContextVar(
+    "scrape_timeout", default=None
+)
+"""This scrape's timeout in seconds, set by the HTTP handler from Prometheus' header."""
+
+
+def _job_key(index: int, collector: SourceCollector) -> str:
+    return f"{index}/{collector.name}"  # by position: two collectors may share a name
+
+
+# One collector's part of a scrape: its families, its outcome, its error ("" when none).
+_Result = tuple[list[Metric], CollectorOutcome, str]
 
 UNRENDERABLE = "unrenderable"
 """The `reason` of series dropped because a label value cannot be written as UTF-8."""
@@ -63,51 +89,107 @@ class FleetCollector:
         collectors: Sequence[SourceCollector],
         *,
         clock: Callable[[], float] = time.perf_counter,
+        default_timeout_seconds: float = DEFAULT_SCRAPE_TIMEOUT_SECONDS,
+        patience_seconds: float = 5.0,
     ) -> None:
         self.collectors = list(collectors)
         self._clock = clock
-        # One scrape at a time: collectors keep per-scrape state (CPU deltas, NVML's worker),
-        # and two scrapers at once must not double the load on a struggling GPU.
-        self._lock = threading.Lock()
+        self._default_timeout = default_timeout_seconds
+        self._patience = patience_seconds
+        # Collectors run off the scrape thread, at most once at a time: they keep per-scrape
+        # state (CPU deltas, NVML's worker), and two scrapers at once (an HA pair of
+        # Prometheus) must not double the load on a struggling GPU. The local ones run in turn
+        # on one worker (one hand-off per scrape), each collector that waits on the network on
+        # a worker of its own, beside them (a slow server costs its own timeout once, not on
+        # top of NVML's deadline). A scrape that finds a group's batch started by a scrape
+        # still within its deadline shares that batch's results; a collector left behind at
+        # a deadline is stuck, and refused until it returns. No lock is held across a scrape.
+        self._groups: list[tuple[SerialReads, list[int]]] = []
+        local = [i for i, c in enumerate(self.collectors) if not getattr(c, "reads_network", False)]
+        if local:
+            self._groups.append((SerialReads("collect"), local))
+        for i, c in enumerate(self.collectors):
+            if getattr(c, "reads_network", False):
+                self._groups.append((SerialReads(f"collect-{c.name}"), [i]))
+        self._inflight_lock = threading.Lock()
+        self._inflight: dict[int, tuple[Batch, float]] = {}  # by group: batch, its deadline
+        self._interrupted = threading.Event()
         self._last_error: dict[str, str] = {}
         # Every collector's dropped count from the start, so that the first drop is an increase.
         self._dropped: dict[tuple[str, str], int] = {
             (c.name, UNRENDERABLE): 0 for c in self.collectors
         }
         self._dropped_lock = threading.Lock()
-        remote = [c for c in self.collectors if getattr(c, "reads_network", False)]
-        self._pool = (
-            concurrent.futures.ThreadPoolExecutor(len(remote), thread_name_prefix="collect")
-            if remote
-            else None
-        )
 
     def collect(self) -> Iterator[Metric]:
-        """One scrape: every collector's families, merged by name, then the self metrics."""
-        with self._lock:
-            # Collectors that wait on the network (model servers) run beside the local ones,
-            # so a slow server costs its own timeout once, not on top of NVML's deadline.
-            remote = {
-                c.name: self._pool.submit(self._run, c)
-                for c in self.collectors
-                if self._pool is not None and getattr(c, "reads_network", False)
-            }
-            results = [
-                remote[c.name].result() if c.name in remote else self._run(c)
-                for c in self.collectors
-            ]
+        """One scrape: every collector's families, merged by name, then the self metrics.
+
+        Bounded by the scrape's timeout (`SCRAPE_TIMEOUT`, set from Prometheus' header, else
+        the default) less `TIMEOUT_OFFSET_SECONDS`: a collector not finished by then, or
+        still running since an earlier scrape, reads `collector_success 0` and yields nothing
+        this scrape; the others' families are answered on time.
+        """
+        timeout = SCRAPE_TIMEOUT.get() or self._default_timeout
+        budget = max(MIN_DEADLINE_SECONDS, timeout - TIMEOUT_OFFSET_SECONDS)
+        results = self._collect_all(time.monotonic() + budget, budget)
         merged: dict[str, Metric] = {}
+        copied: set[str] = set()  # families shared with another scrape are never mutated
         outcomes = []
-        for families, outcome in results:
+        for families, outcome, error in results:
+            self._log_change(outcome.name, error)
             for family in families:
-                _merge(merged, family)
+                _merge(merged, copied, family)
             outcomes.append(outcome)
         yield from merged.values()
         with self._dropped_lock:
             dropped = dict(self._dropped)
         yield from self_metrics(outcomes, dropped)
 
-    def _run(self, collector: SourceCollector) -> tuple[list[Metric], CollectorOutcome]:
+    def _start(self, group: int, deadline: float, budget: float) -> Batch:
+        """This scrape's batch for `group`: a new one, or one a concurrent scrape started."""
+        reads, members = self._groups[group]
+        with self._inflight_lock:
+            running = self._inflight.get(group)
+            if running is not None and not running[0].done and time.monotonic() < running[1]:
+                return running[0]
+            batch = reads.submit(
+                [(_job_key(i, self.collectors[i]), partial(self._run, self.collectors[i]))
+                 for i in members],
+                # A local collector stuck past this is left behind and the next one runs: with
+                # half the scrape's budget at most, those after it are still read on time.
+                patience=min(self._patience, budget / 2),
+            )  # fmt: skip
+            self._inflight[group] = (batch, deadline)
+            return batch
+
+    def _collect_all(self, deadline: float, budget: float) -> list[_Result]:
+        started = time.monotonic()
+        batches = [self._start(g, deadline, budget) for g in range(len(self._groups))]
+        for batch in batches:
+            # In slices, so that shutdown (`interrupt`) is never kept waiting for a deadline.
+            while not self._interrupted.is_set() and time.monotonic() < deadline:
+                if batch.wait(min(deadline, time.monotonic() + 0.25)):
+                    break
+        got = {}
+        for batch in batches:
+            finished = batch.finish()
+            got.update({key: ("ok", value) for key, value in finished.results.items()})
+            got.update({key: ("refused", None) for key in finished.refused})
+        results: list[_Result] = []
+        for i, c in enumerate(self.collectors):
+            kind, value = got.get(_job_key(i, c), ("late", None))
+            if kind == "ok":
+                results.append(value)  # _run never raises
+            elif kind == "refused":
+                error = "stuck since an earlier scrape; not started again until it returns"
+                results.append(([], CollectorOutcome(c.name, False, 0.0), error))
+            else:
+                error = f"did not finish in time (left behind; the scrape's budget: {budget:.3g} s)"
+                waited = time.monotonic() - started
+                results.append(([], CollectorOutcome(c.name, False, waited), error))
+        return results
+
+    def _run(self, collector: SourceCollector) -> _Result:
         start = self._clock()
         families: list[Metric] = []
         success = True
@@ -128,8 +210,11 @@ class FleetCollector:
                 key = (collector.name, UNRENDERABLE)
                 self._dropped[key] = self._dropped.get(key, 0) + sum(bad.values())
         duration = self._clock() - start
-        self._log_change(collector.name, error)
-        return families, CollectorOutcome(collector.name, success, duration)
+        return families, CollectorOutcome(collector.name, success, duration), error
+
+    def interrupt(self) -> None:
+        """Make scrapes in progress answer now with what they have (at shutdown)."""
+        self._interrupted.set()
 
     def _log_change(self, name: str, error: str) -> None:
         # Log a collector's error when it appears or changes, and its recovery, not every
@@ -148,8 +233,9 @@ class FleetCollector:
                 collector.close()
             except Exception:
                 log.exception("closing collector %s failed", collector.name)
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        self._interrupted.set()
+        for reads, _ in self._groups:
+            reads.close()
 
 
 def _renderable(families: list[Metric]) -> tuple[list[Metric], dict[str, int]]:
@@ -174,7 +260,7 @@ def _renderable(families: list[Metric]) -> tuple[list[Metric], dict[str, int]]:
     return kept, bad
 
 
-def _merge(merged: dict[str, Metric], family: Metric) -> None:
+def _merge(merged: dict[str, Metric], copied: set[str], family: Metric) -> None:
     existing = merged.get(family.name)
     if existing is None:
         merged[family.name] = family
@@ -183,6 +269,12 @@ def _merge(merged: dict[str, Metric], family: Metric) -> None:
         # A bug between two collectors; keep the first and say so rather than break the text.
         log.error("family %s emitted as %s and as %s", family.name, existing.type, family.type)
         return
+    if family.name not in copied:
+        # A collector's families may be shared by two scrapes at once: merge into a copy.
+        existing = Metric(existing.name, existing.documentation, existing.type, existing.unit)
+        existing.samples = list(merged[family.name].samples)
+        merged[family.name] = existing
+        copied.add(family.name)
     existing.samples.extend(family.samples)
 
 
@@ -224,7 +316,12 @@ def build_collectors(settings: ExporterSettings) -> list[SourceCollector]:
     collectors: list[SourceCollector] = [
         nvidia,
         amd,
-        HwmonCollector(settings.sysfs, thermal=thermal, procfs=settings.procfs),
+        HwmonCollector(
+            settings.sysfs,
+            thermal=thermal,
+            procfs=settings.procfs,
+            timeout_seconds=settings.collector_timeout_seconds,
+        ),
         HostCollector(),
     ]
     servers = host.servers if host is not None else {}

@@ -445,14 +445,14 @@ def test_a_stuck_card_costs_only_itself_then_reads_hung(tmp_path: Path) -> None:
     busy.unlink()
     os.mkfifo(busy)
     amd = AmdCollector(
-        str(tmp_path), gpu_index=GpuIndex(), expected_count=2, timeout_seconds=0.2,
+        str(tmp_path), gpu_index=GpuIndex(), expected_count=2, timeout_seconds=1.0,
         clock=FakeClock(),
     )  # fmt: skip
     try:
         start = time.monotonic()
         registry, error = scrape_once(amd)
-        assert time.monotonic() - start < 1.0
-        assert error is not None and "card 0000:03:00.0 did not return within 0.2 s" in str(error)
+        assert time.monotonic() - start < 1.0  # one card left behind after 0.5 s
+        assert error is not None and "card 0000:03:00.0 did not return within 0.5 s" in str(error)
         value = registry.get_sample_value
         assert value("gpufleet_gpu_read_timeout", {"gpu": "0"}) == 1
         assert value("gpufleet_gpu_up", {"gpu": "0"}) is None  # missed once: unknown, not 0

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import time
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
+from prometheus_client.metrics_core import Metric
 
-from exporter.collectors.base import SourceCollector
+from exporter.collectors.base import CollectorError, SourceCollector
 from exporter.collectors.hwmon import HwmonCollector, k10temp_default_celsius
+from exporter.exposition import TextWriter
 from exporter.sources.hwmon import chip_labels, list_chips, read_chip
 from tests.golden import assert_golden, exposition
 from tests.sysfs_tree import (
@@ -273,3 +278,56 @@ def test_strix_halo_pages_at_its_own_limit_and_says_it_is_a_default(tmp_path: Pa
     # No cpuinfo (or none given): the generic 90 °C.
     assert k10temp_default_celsius(str(tmp_path / "nowhere")) == 90.0
     assert k10temp_default_celsius(None) == 90.0
+
+
+def test_a_blocking_chip_costs_only_its_own_temperatures(tmp_path: Path) -> None:
+    """An nvme chip whose temp1_input blocks (a FIFO: open() waits for a writer) misses the
+    deadline alone; the CPU's Tctl is read on time in every scrape, and the stuck chip is not
+    read again (nor waited on) while its read stays stuck: one thread, however long."""
+    write_k10temp(tmp_path)
+    nvme = write_hwmon_chip(tmp_path, nvme_spec(0, "0000:01:00.0"))
+    blocking = nvme / "temp1_input"
+    blocking.unlink()
+    os.mkfifo(blocking)
+    collector = HwmonCollector(str(tmp_path), clock=FakeClock(), timeout_seconds=1.0)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    try:
+        start = time.monotonic()
+        text, error = scrape_text(collector)
+        assert time.monotonic() - start < 1.5
+        assert error is not None and "chip nvme did not return within 0.5 s" in str(error)
+        assert 'gpufleet_host_temperature_read_timeout{chip="nvme"} 1.0' in text
+        assert 'gpufleet_host_temperature_read_timeout{chip="k10temp"} 0.0' in text
+        assert 'chip="nvme",sensor="Composite"' not in text
+        assert 'gpufleet_host_temperature_celsius{chip="k10temp",sensor="Tctl"}' in text
+        for _ in range(5):
+            start = time.monotonic()
+            text, error = scrape_text(collector)
+            assert time.monotonic() - start < 0.25  # the stuck chip is not waited on again
+            assert error is not None and "not read again" in str(error)
+            assert 'gpufleet_host_temperature_celsius{chip="k10temp",sensor="Tctl"}' in text
+            assert collector._reads.threads() <= 3  # two chips and rediscovery
+        os.close(os.open(blocking, os.O_WRONLY | os.O_NONBLOCK))  # the read returns (EOF)
+        blocking.unlink()
+        set_value(blocking, 45_000)
+        deadline = time.monotonic() + 3
+        while error is not None and time.monotonic() < deadline:
+            text, error = scrape_text(collector)
+        assert error is None
+        assert temp(registry, "nvme", "Composite") == 45.0
+    finally:
+        with contextlib.suppress(OSError):
+            os.close(os.open(blocking, os.O_WRONLY | os.O_NONBLOCK))
+        collector.close()
+
+
+def scrape_text(collector: HwmonCollector) -> tuple[str, CollectorError | None]:
+    """One collect() as exposition text, and the CollectorError it ended with."""
+    families: list[Metric] = []
+    error = None
+    try:
+        families.extend(collector.collect())
+    except CollectorError as exc:
+        error = exc
+    return TextWriter().render(families).decode(), error

@@ -18,14 +18,15 @@ Sample output (one discrete card)::
 
 Reads run off the scrape thread, under a deadline. amdgpu answers a sysfs read by asking the
 GPU's SMU, and a card in trouble (a hung SMU, a reset in progress, a card falling off the bus)
-can block that read in the kernel for seconds or for good. So each card is read on a worker
-of its own (`exporter.sources.deadline`; rediscovery on another): `collect()` waits for them
-all at most `timeout_seconds`, exports the cards read by then, and raises `CollectorError`
-naming the others. As for NVIDIA, "not read this scrape" is not "read and failed": a card
-whose read missed the deadline has no `gpufleet_gpu_up` and `gpufleet_gpu_read_timeout 1`,
-and the other cards are read on time. While that read stays stuck the card is not read again
-(nothing queues behind it: one thread per stuck card, not one per scrape) and, from the next
-scrape on, it is hung: `gpufleet_gpu_up 0`, counted in `gpufleet_gpus_lost`.
+can block that read in the kernel for seconds or for good. So the cards are read in turn off
+the scrape thread (`exporter.sources.deadline`): a card's read still running after half of
+`timeout_seconds` (at most 1 s) is left behind with its worker and a fresh one reads the
+others; `collect()` waits at most `timeout_seconds`, exports the cards read by then, and
+raises `CollectorError` naming the others. As for NVIDIA, "not read this scrape" is not "read
+and failed": a card left behind has no `gpufleet_gpu_up` and `gpufleet_gpu_read_timeout 1`.
+While that read stays stuck the card is not read again (nothing queues behind it: one thread
+per stuck card, not one per scrape) and, from the next scrape on, it is hung:
+`gpufleet_gpu_up 0`, counted in `gpufleet_gpus_lost`.
 
 Check by hand: `cat /sys/class/drm/card0/device/gpu_busy_percent`,
 `sensors amdgpu-pci-0300` (lm-sensors shows the same hwmon values in °C and W).
@@ -37,7 +38,6 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
 
@@ -46,7 +46,7 @@ from prometheus_client.metrics_core import Metric
 from exporter.collectors import catalogue
 from exporter.collectors.base import CollectorError, Rediscovery
 from exporter.sources.amdgpu import AmdCard, AmdIdentity, AmdReading, discover_cards
-from exporter.sources.deadline import DeviceReads, wait_for
+from exporter.sources.deadline import SerialReads
 from fleet.gpu_index import GpuIndex
 
 log = logging.getLogger(__name__)
@@ -116,7 +116,7 @@ class AmdCollector:
         self._timeout = timeout_seconds
         # Identities read so far, by PCI slot: the info series of a card not read this scrape.
         self._identities: dict[str, AmdIdentity] = {}
-        self._reads = DeviceReads("amdgpu")
+        self._reads = SerialReads("amdgpu")
         self._closed = False
         # Discovery at start runs here: the registry needs the bus ids before any scrape.
         self._discover()
@@ -160,40 +160,38 @@ class AmdCollector:
             return
         deadline = time.monotonic() + self._timeout
         reads = self._reads
-        # Rediscovery on a lane of its own: a walk stuck in the kernel must not stop the reads.
-        # Usually not due (no wait at all); when due, a new card is read this very scrape, and
-        # a walk that hangs costs half the deadline once, then is not waited on again.
-        discovering = reads.submit(_DISCOVERY, self._rediscovery.run_if_due)
-        if discovering is not None:
-            wait_for([discovering], self._timeout / 2)
+        discovery_stuck = False
+        if self._rediscovery.due():
+            # Its own batch first, so that a new card is read this very scrape; a walk that
+            # hangs costs half the deadline once, then is refused (and not waited on) again.
+            walk = reads.submit([(_DISCOVERY, self._rediscovery.run_if_due)])
+            walk.wait(time.monotonic() + self._timeout / 2)
+            walked = walk.finish()
+            discovery_stuck = bool(walked.refused or walked.stuck)
         cards = self._cards  # a snapshot: discovery replaces the tuple, never mutates it
-        started: dict[str, Future[_CardRead]] = {}
-        hung: set[str] = set()
-        for card in cards:
-            slot = card.location.pci_slot
-            future = reads.submit(slot, partial(_read_card, card))
-            if future is None:
-                hung.add(slot)  # its read of an earlier scrape is still stuck
-            else:
-                started[slot] = future
-        wait_for(started.values(), deadline - time.monotonic())
-        done: dict[str, _CardRead] = {}
-        timed_out: set[str] = set()
-        problems: list[str] = []
-        for slot, future in started.items():
-            if not future.done():
-                timed_out.add(slot)
-            elif (error := future.exception()) is not None:
-                # A bug here costs that card's reading, said once per scrape, never the others.
-                problems.append(f"card {slot}: read failed: {type(error).__name__}: {error}")
-            else:
-                done[slot] = future.result()
+        # One card's read may take this long before it is left behind and the others go on:
+        # a stuck card costs that, not the whole scrape (a healthy read takes well under 1 ms).
+        patience = min(self._timeout / 2, 1.0)
+        batch = reads.submit(
+            [(card.location.pci_slot, partial(_read_card, card)) for card in cards],
+            patience=patience,
+        )
+        batch.wait(deadline)
+        got = batch.finish()
+        hung = set(got.refused)  # its read of an earlier scrape is still stuck
+        done: dict[str, _CardRead] = got.results
+        timed_out = set(got.stuck)
+        problems = [
+            # A bug here costs that card's reading, said once per scrape, never the others.
+            f"card {slot}: read failed: {type(error).__name__}: {error}"
+            for slot, error in got.errors.items()
+        ]
         yield from self._families(done, timed_out, hung)
         if timed_out:
             problems.insert(
                 0,
                 f"amdgpu sysfs read of card {', '.join(sorted(timed_out))} did not return "
-                f"within {self._timeout:g} s",
+                f"within {patience:g} s",
             )
         if hung:
             problems.insert(
@@ -201,8 +199,8 @@ class AmdCollector:
                 f"amdgpu sysfs read still stuck on card {', '.join(sorted(hung))} since an "
                 "earlier scrape; not read again until it returns",
             )
-        if discovering is None:
-            problems.append("amdgpu rediscovery still stuck since an earlier scrape")
+        if discovery_stuck:
+            problems.append("amdgpu rediscovery stuck in the kernel; not waited on again")
         if problems:
             raise CollectorError("; ".join(problems))
 

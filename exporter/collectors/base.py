@@ -60,6 +60,10 @@ class Rediscovery:
         self._lock = threading.Lock()
         self._next = clock() + seconds
 
+    def due(self) -> bool:
+        """Whether the interval has passed (a hint: `run_if_due` decides under its lock)."""
+        return self._clock() >= self._next
+
     def run_if_due(self) -> None:
         """Discover again if the interval has passed since the last time."""
         if self._clock() < self._next:

@@ -316,6 +316,17 @@ _FAMILIES: tuple[Family, ...] = (
         ),
     ),
     Family(
+        "gpufleet_host_temperature_read_timeout",
+        GAUGE,
+        "1 when the hwmon chip's read did not return within the collector timeout (its "
+        "temperatures are absent this scrape), else 0.",
+        ("chip",),
+        doc=(
+            "per hwmon chip with temperatures: 1 while its sysfs read is stuck past "
+            "`--collector.timeout` (an nvme admin command, an I2C sensor in D state), else 0"
+        ),
+    ),
+    Family(
         "gpufleet_host_cpu_seconds_total",
         COUNTER,
         "CPU time spent in each mode, summed over all CPUs (guest time is in user/nice).",

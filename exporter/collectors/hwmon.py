@@ -31,12 +31,14 @@ import os
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from functools import partial
 from types import MappingProxyType
 
 from prometheus_client.metrics_core import Metric
 
 from exporter.collectors import catalogue
-from exporter.collectors.base import Rediscovery
+from exporter.collectors.base import CollectorError, Rediscovery
+from exporter.sources.deadline import SerialReads
 from exporter.sources.hwmon import chip_labels, list_chips
 from exporter.sources.sysfs import StaticValue, read_int
 
@@ -92,6 +94,7 @@ def k10temp_default_celsius(procfs: str | None) -> float:
 
 
 EXCLUDED_CHIPS = frozenset({"amdgpu"})  # exported per GPU by the amd collector
+_DISCOVERY = "(discovery)"  # the reads' lane of rediscovery, beside one per chip
 _NO_THERMAL: Mapping[str, float] = MappingProxyType({})
 
 
@@ -103,6 +106,27 @@ class _Sensor:
     crit: StaticValue[float]
     fallback_crit: float | None
     fallback_source: str  # `roster` or `default`: where fallback_crit comes from
+
+
+@dataclass(frozen=True, slots=True)
+class _SensorRead:
+    sensor: _Sensor
+    celsius: float | None
+    critical: float | None
+    source: str
+
+
+def _read_sensors(sensors: tuple[_Sensor, ...]) -> list[_SensorRead]:
+    """One chip's readings (on its worker: a chip's read may block in the kernel)."""
+    reads = []
+    for s in sensors:
+        # Documentation/hwmon/sysfs-interface.rst: temp*_input is in millidegrees Celsius.
+        value = None if s.input_path is None else read_int(s.input_path)
+        critical, source = s.crit.get(), "hwmon"
+        if critical is None:
+            critical, source = s.fallback_crit, s.fallback_source
+        reads.append(_SensorRead(s, None if value is None else value / 1000, critical, source))
+    return reads
 
 
 class HwmonCollector:
@@ -118,8 +142,11 @@ class HwmonCollector:
         rediscover_seconds: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
         procfs: str | None = None,
+        timeout_seconds: float = 4.0,
     ) -> None:
         self._sysfs = sysfs
+        self._timeout = timeout_seconds
+        self._reads = SerialReads("hwmon")
         self._thermal = dict(thermal)
         # The CPU's own default for k10temp (read once: a CPU does not change under us);
         # without a procfs root, the generic defaults.
@@ -128,6 +155,8 @@ class HwmonCollector:
         self._defaults = {**DEFAULT_CRITICAL_CELSIUS, **own}
         self._entries: frozenset[str] = frozenset()
         self._sensors: tuple[_Sensor, ...] = ()
+        # The same sensors by chip label, in order: each chip is read on a worker of its own.
+        self._chips: tuple[tuple[str, tuple[_Sensor, ...]], ...] = ()
         self._discover()
         self._rediscovery = Rediscovery(self._discover, rediscover_seconds, clock)
 
@@ -157,24 +186,68 @@ class HwmonCollector:
                     _Sensor(label, temp.sensor, temp.input_path, temp.crit, fallback, source)
                 )
         self._sensors = tuple(sensors)
+        by_chip: dict[str, list[_Sensor]] = {}
+        for sensor in sensors:
+            by_chip.setdefault(sensor.chip, []).append(sensor)
+        self._chips = tuple((chip, tuple(group)) for chip, group in by_chip.items())
 
     def collect(self) -> Iterator[Metric]:
-        """Yield the temperature and critical-temperature families."""
-        self._rediscovery.run_if_due()
+        """Yield the temperature families; a chip not read in time costs only its own series.
+
+        The chips are read in turn off the scrape thread (`exporter.sources.deadline`); one
+        whose read is still running after half of `timeout_seconds` (at most 1 s: an nvme chip
+        waiting on a wedged admin command, an I2C sensor in D state) is left behind and the
+        others read: it has `gpufleet_host_temperature_read_timeout 1` and no temperatures, is
+        not read again while that read stays stuck, and `CollectorError` names it.
+        """
+        deadline = time.monotonic() + self._timeout
+        reads = self._reads
+        discovery_stuck = False
+        if self._rediscovery.due():
+            walk = reads.submit([(_DISCOVERY, self._rediscovery.run_if_due)])
+            walk.wait(time.monotonic() + self._timeout / 2)
+            walked = walk.finish()
+            discovery_stuck = bool(walked.refused or walked.stuck)
+        chips = self._chips  # a snapshot: discovery replaces the tuple, never mutates it
+        patience = min(self._timeout / 2, 1.0)
+        batch = reads.submit(
+            [(chip, partial(_read_sensors, sensors)) for chip, sensors in chips],
+            patience=patience,
+        )
+        batch.wait(deadline)
+        got = batch.finish()
         temp = catalogue.gauge("gpufleet_host_temperature_celsius")
         crit = catalogue.gauge("gpufleet_host_temperature_critical_celsius")
-        for s in self._sensors:
-            labels = (s.chip, s.sensor)
-            # Documentation/hwmon/sysfs-interface.rst: temp*_input is in millidegrees Celsius.
-            value = None if s.input_path is None else read_int(s.input_path)
-            if value is not None:
-                temp.add_metric(labels, value / 1000)
-            critical, source = s.crit.get(), "hwmon"
-            if critical is None:
-                critical, source = s.fallback_crit, s.fallback_source
-            if critical is not None:
-                crit.add_metric((*labels, source), critical)
-        yield from (family for family in (temp, crit) if family.samples)
+        timeout = catalogue.gauge("gpufleet_host_temperature_read_timeout")
+        problems = [
+            f"chip {chip}: read failed: {type(error).__name__}: {error}"
+            for chip, error in got.errors.items()
+        ]
+        late = sorted({*got.refused, *got.stuck})
+        for chip, _ in chips:
+            if chip not in got.results:
+                if chip not in got.errors:
+                    timeout.add_metric((chip,), 1)  # stuck, or not reached by the deadline
+                continue
+            timeout.add_metric((chip,), 0)
+            for read in got.results[chip]:
+                labels = (chip, read.sensor.sensor)
+                if read.celsius is not None:
+                    temp.add_metric(labels, read.celsius)
+                if read.critical is not None:
+                    crit.add_metric((*labels, read.source), read.critical)
+        yield from (family for family in (temp, crit, timeout) if family.samples)
+        if late:
+            problems.insert(
+                0,
+                f"hwmon read of chip {', '.join(late)} did not return within {patience:g} s "
+                "(not read again until it returns)",
+            )
+        if discovery_stuck:
+            problems.append("hwmon rediscovery stuck in the kernel; not waited on again")
+        if problems:
+            raise CollectorError("; ".join(problems))
 
     def close(self) -> None:
-        """Nothing to release: the collector holds no open files or threads."""
+        """Refuse new reads; the chips' workers end (a read stuck in the kernel stays so)."""
+        self._reads.close()

@@ -38,6 +38,7 @@ _SERVER_PLACEHOLDERS = (
     "server.unit",
     "server.role",
     "server.model",
+    "server.engine",
 )
 
 PLACEHOLDERS: Mapping[TargetKind, tuple[str, ...]] = {
@@ -104,6 +105,9 @@ class Target:
                     "server.unit": self.server_entry.unit,
                     "server.role": self.server_entry.role,
                     "server.model": self.server_entry.model,
+                    # `llama` or `vllm` (the roster allows no other): the engine's own series,
+                    # `gpufleet_{server.engine}_up`.
+                    "server.engine": self.server_entry.engine,
                 }
             )
         if self.gpu is not None:

@@ -138,6 +138,20 @@ def test_evidence_and_people_spend_no_budget_that_a_fix_needs() -> None:
     assert get_action("restart_server").clears_alert is False
 
 
+def test_the_port_ghost_playbook_verifies_with_the_servers_own_engine() -> None:
+    """A vLLM server's run verified on `gpufleet_llama_up`, which a vLLM server never has."""
+    ghost = {p.name: p for p in load_playbooks(None)}["port-ghost"]
+    assert ghost.verify is not None and ghost.verify.promql is not None
+    queries = {}
+    for server in ("delta", "zeta"):  # llama and vLLM on one host of the example roster
+        host = next(h for h, entry in ROSTER.hosts.items() if server in entry.servers)
+        target = resolve_target(ghost, alert("PortGhost", host=host, server=server), ROSTER)
+        assert isinstance(target, Target)
+        queries[server] = target.fill(ghost.verify.promql)
+    assert "gpufleet_llama_up{" in queries["delta"] and "vllm" not in queries["delta"]
+    assert "gpufleet_vllm_up{" in queries["zeta"] and "llama" not in queries["zeta"]
+
+
 def test_hostile_labels_never_reach_a_node_command() -> None:
     playbooks = load_playbooks(None)
     host = labels_for("server")["host"]

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from exporter.node.exec_start import fits_exec_start
 from exporter.sources.procnet import read_listeners
 from tests.llama_lab import StartLlamaServer, free_port
 from tests.systemctl_stand_in import SystemctlStandIn
@@ -24,6 +25,11 @@ from tests.test_ports import LLAMA_ARGS, NOBODY, UNIT, PythonListener, exec_star
 
 NODE = str(Path(sys.executable).parent / "gpu-fleet-node")
 BETA_UNIT = "llama-server@beta.service"
+# How the shipped llama-server@.service starts the server (systemctl show prints the variables
+# unexpanded); the lab starts llama-server as `--host 127.0.0.1 --port PORT ARGS...`.
+LLAMA_EXEC_ARGS = ("--host", "${LLAMA_HOST}", "--port", "${LLAMA_PORT}", "$LLAMA_ARGS")
+# A unit of a Python program whose argv the listeners here fit: `python -c CODE host port`.
+PYTHON_EXEC_ARGS = ("-c", "${CODE}", "$LISTENER_ARGS")
 
 
 def write_roster(directory: Path, alpha_port: int, beta_port: int | None = None) -> Path:
@@ -92,7 +98,7 @@ def test_a_stale_llama_server_is_stopped_and_the_port_freed(
     stale = llama_server(*LLAMA_ARGS)  # "killed off from its unit": the unit no longer has it
     stand_in.set_unit(
         UNIT, ActiveState="activating", SubState="start-pre", MainPID=0,
-        ExecStart=exec_start(llama_binary, "--port", str(stale.port)),
+        ExecStart=exec_start(llama_binary, *LLAMA_EXEC_ARGS),
     )  # fmt: skip
     result = guard(stand_in, write_roster(tmp_path, stale.port))
     assert result.returncode == 0, result.stderr
@@ -115,7 +121,9 @@ def test_a_frozen_stale_llama_server_is_sigkilled(
 ) -> None:
     stale = llama_server(*LLAMA_ARGS)
     stale.freeze()  # SIGSTOP: a stopped process cannot act on SIGTERM
-    stand_in.set_unit(UNIT, ActiveState="activating", ExecStart=exec_start(llama_binary))
+    stand_in.set_unit(
+        UNIT, ActiveState="activating", ExecStart=exec_start(llama_binary, *LLAMA_EXEC_ARGS)
+    )
     result = guard(stand_in, write_roster(tmp_path, stale.port), "--term-timeout", "0.5")
     assert result.returncode == 0, result.stderr
     assert stale.process.wait(timeout=5) == -9
@@ -130,7 +138,9 @@ def test_a_sigterm_ignoring_stale_process_through_a_symlinked_exec_start_is_sigk
     # ExecStart= names the venv's `python`, a chain of symlinks; the process's exe is the
     # interpreter it resolves to: the same program by resolved path.
     port = free_port()
-    stand_in.set_unit(UNIT, ActiveState="activating", ExecStart=exec_start(sys.executable))
+    stand_in.set_unit(
+        UNIT, ActiveState="activating", ExecStart=exec_start(sys.executable, *PYTHON_EXEC_ARGS)
+    )
     with PythonListener(port, ignore_sigterm=True) as stale:
         result = guard(stand_in, write_roster(tmp_path, port), "--term-timeout", "0.3")
         assert result.returncode == 0, result.stderr
@@ -153,6 +163,25 @@ def test_another_program_on_the_port_is_refused_and_left_alive(
     assert f"it runs {os.path.realpath(sys.executable)}, not {llama_binary}" in log
     assert "refusing to kill" in log and "sent SIGTERM" not in log
     assert "\\n" in log and len(log.splitlines()) == 2  # the listener's code, escaped
+
+
+def test_a_bystander_sharing_the_interpreter_is_refused_and_left_alive(
+    stand_in: SystemctlStandIn, tmp_path: Path
+) -> None:
+    """A vLLM unit runs `python -m vllm.entrypoints.openai.api_server`; a hand-started Python
+    program on its port runs the same interpreter but is no copy of the unit's server."""
+    port = free_port()
+    vllm = ("-m", "vllm.entrypoints.openai.api_server", "--port", "${VLLM_PORT}", "$VLLM_ARGS")
+    stand_in.set_unit(UNIT, ActiveState="activating", ExecStart=exec_start(sys.executable, *vllm))
+    with PythonListener(port) as bystander:
+        result = guard(stand_in, write_roster(tmp_path, port))
+        assert result.returncode == 1, result.stderr
+        assert bystander.alive() and listening(port)
+    log = result.stderr
+    assert f"port {port} is held by pid {bystander.pid} (python" in log
+    assert "its command line does not fit" in log
+    assert "-m vllm.entrypoints.openai.api_server" in log  # the ExecStart= it was held against
+    assert "refusing to kill" in log and "sent SIGTERM" not in log
 
 
 def test_the_units_own_main_process_is_never_killed(
@@ -283,7 +312,9 @@ def test_the_capabilities_it_asks_for_are_enough(shared_dir: Path) -> None:
     port = free_port()
     roster = write_roster(shared_dir, port)
     nobody_can_use(stand_in, roster)
-    stand_in.set_unit(UNIT, ActiveState="activating", ExecStart=exec_start(sys.executable))
+    stand_in.set_unit(
+        UNIT, ActiveState="activating", ExecStart=exec_start(sys.executable, *PYTHON_EXEC_ARGS)
+    )
     caps = ("sys_ptrace", "dac_read_search", "kill")
     with PythonListener(port) as stale:
         result = guard(stand_in, roster, as_nobody=True, caps=caps)
@@ -318,3 +349,27 @@ def test_a_bad_guard_port_command_line_fails_open() -> None:
     )
     assert result.returncode == 0
     assert "bad arguments" in result.stderr and "letting the unit start" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("cmdline", "argv", "fits"),
+    [
+        (["llama", "-m", "a.gguf"], ["/usr/bin/llama", "-m", "a.gguf"], True),
+        (["llama", "-m", "b.gguf"], ["/usr/bin/llama", "-m", "a.gguf"], False),
+        (["x", "--port", "8080"], ["x", "--port", "${PORT}"], True),
+        (["x", "--port=8080"], ["x", "--port=${PORT}"], True),
+        (["x", "--port", "8080", "extra"], ["x", "--port", "${PORT}"], False),
+        (["x", "--port"], ["x", "--port", "${PORT}"], False),  # ${X} is exactly one word
+        (["x", "a", "b", "c"], ["x", "$ARGS"], True),
+        (["x"], ["x", "$ARGS"], True),  # $X: zero or more words
+        (["x", "-m", "m", "a", "b", "--metrics"], ["x", "-m", "${M}", "$A", "--metrics"], True),
+        (["x", "-m", "m", "a", "b"], ["x", "-m", "${M}", "$A", "--metrics"], False),
+        (["x", "$5"], ["x", "$$5"], True),
+        (["python3", "-m", "http.server", "8000"], ["python", "-m", "vllm.x", "$A"], False),
+        (["anything", "a"], ["/usr/bin/x", "a"], True),  # argv[0] is not compared
+        ([], ["x"], False),
+        (["x"], [], False),
+    ],
+)
+def test_what_fits_an_exec_start(cmdline: list[str], argv: list[str], fits: bool) -> None:
+    assert fits_exec_start(cmdline, argv) is fits

@@ -23,7 +23,7 @@ import pytest
 from exporter.sources.procnet import read_listeners
 from tests.llama_lab import StartLlamaServer, free_port, http_get, wait_until
 from tests.systemctl_stand_in import SystemctlStandIn
-from tests.test_ports import LLAMA_ARGS, PythonListener
+from tests.test_ports import LLAMA_ARGS, PythonListener, exec_start
 
 NODE = str(Path(sys.executable).parent / "gpu-fleet-node")
 UNIT = "llama-server@alpha.service"
@@ -307,6 +307,10 @@ def test_status_names_a_ghost_and_guard_port_over_ssh_clears_it(
     # A stale llama-server on alpha's port while the unit is down (killed off from its unit).
     stale = llama_server(*LLAMA_ARGS)
     roster = write_roster(lab.roster.parent, stale.port)
+    # The unit as shipped starts `llama-server … $LLAMA_ARGS` (systemctl show prints the
+    # variables unexpanded): the stale server's command line fits it.
+    shipped = ("--host", "${LLAMA_HOST}", "--port", "${LLAMA_PORT}", "$LLAMA_ARGS")
+    lab.stand_in.set_unit(UNIT, ExecStart=exec_start(lab.binary, *shipped))
     status = run_node(lab.stand_in, roster, "status", "alpha")
     assert status.code == 0, status.stderr
     assert status.result["ghost"] is True

@@ -9,8 +9,10 @@ and as a verb of the remediator (`guard-port SERVER` over `--ssh`). It finds who
 server's port (from the roster URL) and:
 
 - nobody: outcome `free`;
-- a stale process of the unit's own program (the same executable, by resolved path, as the
-  unit's `ExecStart=`; the kernel's " (deleted)" mark of a replaced binary is ignored): log the
+- a stale process of the unit's own server: the same executable, by resolved path, as the
+  unit's `ExecStart=` (the kernel's " (deleted)" mark of a replaced binary is ignored), *and*
+  either in the unit's own cgroup or with a command line that fits `ExecStart=`
+  (`exporter.node.exec_start`: an interpreter shared with a bystander is no proof): log the
   evidence (pid, cmdline, owner, start time), SIGTERM it, SIGKILL it after `term_timeout`
   seconds if it is still there, wait for the port to be free (`free_timeout`): `cleared`;
 - the unit's current main process: nothing to do (it is never killed): `own-main`;
@@ -40,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from exporter.node.exec_start import fits_exec_start
 from exporter.sources.procfs import ProcessInfo, process_info, read_stat, systemd_unit_of
 from exporter.sources.procnet import ProcNetError, find_holders, read_listeners, url_port
 from exporter.sources.systemd import SystemdError, UnitStatus, show_units, unit_pids
@@ -362,6 +365,24 @@ class _Guard:
             return "unknown"
         if info.exe != self.program:
             return f"it runs {info.exe}, not {self.program}"
+        if other == self.unit:
+            return "stale"  # in the unit's own cgroup, not its main process: proof enough
+        # The same executable is not proof (an interpreter runs anything): its command line
+        # must fit the unit's ExecStart= too.
+        argv = self.status.exec_start_argv
+        if not argv:
+            return (
+                f"it runs {self.program}, but systemd gave no ExecStart= command line for "
+                f"{self.unit} to compare it with: not proven a copy of the unit's server"
+            )
+        if not fits_exec_start(info.cmdline, argv):
+            shown = _one_line(" ".join(argv))
+            if len(shown) > MAX_CMDLINE:
+                shown = shown[:MAX_CMDLINE] + "..."
+            return (
+                f"it runs {self.program}, but its command line does not fit {self.unit}'s "
+                f"ExecStart= ({shown}): not proven a copy of the unit's server"
+            )
         return "stale"
 
     def service_state(self, unit: str) -> str | None:

@@ -87,6 +87,9 @@ class UnitStatus:
     state_change_monotonic_seconds: float | None  # CLOCK_MONOTONIC, as systemd records it
     control_group: str | None  # e.g. /system.slice/llama-server@alpha.service
     exec_start_path: str | None  # the executable of the first ExecStart= line
+    # Its argv as `systemctl show` prints it: words joined by spaces, environment variables
+    # (`${X}`, `$X`) unexpanded, specifiers (`%i`) already resolved. () when unknown.
+    exec_start_argv: tuple[str, ...] = ()
 
     @property
     def active(self) -> bool:
@@ -110,6 +113,17 @@ def _exec_path(value: str) -> str | None:
     end = value.find(" ;", start)
     path = value[start + len(marker) : end if end >= 0 else None].strip()
     return path or None
+
+
+def _exec_argv(value: str) -> tuple[str, ...]:
+    # `argv[]=` up to the next ` ; `: systemd joins the words with single spaces.
+    marker = " argv[]="
+    start = value.find(marker)
+    if start < 0:
+        return ()
+    end = value.find(" ; ", start + len(marker))
+    text = value[start + len(marker) : end if end >= 0 else None]
+    return tuple(text.split(" ")) if text else ()
 
 
 def parse_show(text: str, units: Sequence[str]) -> dict[str, UnitStatus]:
@@ -143,6 +157,7 @@ def parse_show(text: str, units: Sequence[str]) -> dict[str, UnitStatus]:
             state_change_monotonic_seconds=mono / 1e6 if mono else None,
             control_group=block.get("ControlGroup") or None,
             exec_start_path=_exec_path(block.get("ExecStart", "")),
+            exec_start_argv=_exec_argv(block.get("ExecStart", "")),
         )
     return result
 

@@ -9,8 +9,8 @@ name, never an alert label, and they are checked again before anything runs.
                                            # step output; read-only, so it runs under dry-run
         promql: ['gpufleet_gpu_up{host="{host}"}']   # optional: a Prometheus snapshot too
     - restart_server: {}                   # node `restart SERVER` (systemctl restart)
-    - kill_port_ghost: {}                  # node `guard-port SERVER`: a stale process of the
-                                           # unit's own program holding the port is killed
+    - kill_port_ghost: {}                  # node `guard-port SERVER`: a stale copy of the
+                                           # unit's own server holding the port is killed
     - escalate: {why: "crash loop: restarting does not heal it"}   # call people now
 
 A GPU or host target's `capture_evidence` takes the evidence of every roster server on that
@@ -169,10 +169,11 @@ def restart_server(ctx: ActionContext, params: NoParams) -> StepResult:
 # spent its start limit and stay down).
 @action("kill_port_ghost", NoParams, default_timeout_seconds=60.0, clears_alert=True)
 def kill_port_ghost(ctx: ActionContext, params: NoParams) -> StepResult:
-    """Clear a stale process of the unit's own program from the server's port (`guard-port`).
+    """Clear a stale copy of the unit's own server from the server's port (`guard-port`).
 
-    Node `guard-port SERVER`: kills a stale process of the unit's own program holding the port,
-    refuses anything else.
+    Node `guard-port SERVER`: kills a process holding the port only when it runs the unit's
+    own executable and its command line fits the unit's `ExecStart=` (or it is in the unit's
+    cgroup); refuses anything else, with the evidence.
     """
     server = _server_of(ctx, "kill_port_ghost")
     if isinstance(server, StepResult):

@@ -116,8 +116,8 @@ class FleetCollector:
         self._interrupted = threading.Event()
         self._last_error: dict[str, str] = {}
         # Every collector's dropped count from the start, so that the first drop is an increase.
-        self._dropped: dict[tuple[str, str], int] = {
-            (c.name, UNRENDERABLE): 0 for c in self.collectors
+        self._dropped: dict[tuple[str, str, str], int] = {
+            (c.name, "", UNRENDERABLE): 0 for c in self.collectors
         }
         self._dropped_lock = threading.Lock()
 
@@ -143,6 +143,13 @@ class FleetCollector:
         yield from merged.values()
         with self._dropped_lock:
             dropped = dict(self._dropped)
+        for c in self.collectors:
+            # A collector's own budgets (llama: slots, router models), by (server, reason).
+            budgets: Callable[[], dict[tuple[str, str], int]] | None = getattr(c, "dropped", None)
+            if budgets is not None:
+                for (server, reason), count in budgets().items():
+                    key = (c.name, server, reason)
+                    dropped[key] = dropped.get(key, 0) + count
         yield from self_metrics(outcomes, dropped)
 
     def _start(self, group: int, deadline: float, budget: float) -> Batch:
@@ -207,7 +214,7 @@ class FleetCollector:
             left_out = f"left out, not writable as UTF-8 text: {', '.join(sorted(bad))}"
             error = f"{error}; {left_out}" if error else left_out
             with self._dropped_lock:
-                key = (collector.name, UNRENDERABLE)
+                key = (collector.name, "", UNRENDERABLE)
                 self._dropped[key] = self._dropped.get(key, 0) + sum(bad.values())
         duration = self._clock() - start
         return families, CollectorOutcome(collector.name, success, duration), error

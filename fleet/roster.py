@@ -234,6 +234,11 @@ class Server(_Strict):
     # Optional: the exporter detects it from /props (`role: "router"`); `true` makes it read
     # as a router from the first scrape, even while /props does not answer.
     router: bool | None = None
+    # Cardinality budgets (the exporter's): per-slot series of at most this many busy slots,
+    # and at most this many router models, each with its own series. What is past a budget is
+    # left out and counted (gpufleet_exporter_series_dropped_total).
+    max_slots: int = Field(default=256, ge=1, le=100_000)
+    max_models: int = Field(default=64, ge=1, le=10_000)
 
     @model_validator(mode="after")
     def _canary_needs_llama(self) -> Server:

@@ -9,6 +9,7 @@ whole, twice a scrape, in pure Python (13 to 18 s with a 2 s server timeout).
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ from exporter.sources.http_client import Answer, Outcome
 from exporter.sources.llama_api import METRICS_MAX_LINES, ParseError, parse_metrics
 from exporter.sources.scan import our_lines, plausible
 from fleet.roster import Server
-from tests.recorded_llama import FIXTURES, TEXT, RecordedLlama
+from tests.recorded_llama import FIXTURES, JSON, TEXT, RecordedLlama
 
 VLLM = Path(__file__).parent / "fixtures" / "vllm" / "metrics-v1.txt"
 IDLE = (FIXTURES / "metrics-idle.txt").read_bytes()
@@ -170,3 +171,60 @@ def test_metrics_are_parsed_once_per_scrape(monkeypatch: pytest.MonkeyPatch) -> 
                 assert len(calls) == scrapes
         finally:
             collector.close()
+
+
+def dropped_of(collector: LlamaCollector, name: str, reason: str) -> int:
+    return collector.dropped()[name, reason]
+
+
+def test_slots_past_the_budget_are_left_out_and_counted() -> None:
+    """A server listing 5,000 busy slots (a stand-in: the real one is started with -np 2);
+    10,000 of the pinned build's slots would be past /slots' 8 MiB cap (the endpoint errs)."""
+    one = json.loads((FIXTURES / "slots-busy.json").read_text())[0]
+    slots = [{**one, "id": i, "id_task": 1000 + i} for i in range(5_000)]
+    body = json.dumps(slots).encode()
+    with RecordedLlama({"/slots": (body, JSON)}, busy=True) as many:
+        collector = LlamaCollector({"many": server(many.url)})  # max_slots: 256 by default
+        try:
+            assert dropped_of(collector, "many", "slots_over_budget") == 0  # there from the start
+            samples = scrape(collector)
+        finally:
+            collector.close()
+    per_slot = {
+        dict(labels)["slot"]
+        for (metric, labels) in samples
+        if metric == "gpufleet_llama_slot_task_age_seconds"
+    }
+    assert per_slot == {str(i) for i in range(256)}  # the lowest ids
+    labels = frozenset({("server", "many"), ("served_model", ""), ("state", "busy")})
+    assert samples["gpufleet_llama_slots", labels] == 5_000  # the counts stay whole
+    # Each slot left out had three series: its task age, decoded tokens and predict limit.
+    assert dropped_of(collector, "many", "slots_over_budget") == (5_000 - 256) * 3
+
+
+def test_router_models_past_the_budget_are_neither_read_nor_exported() -> None:
+    props = json.loads((FIXTURES / "props.json").read_text())
+    props["role"] = "router"
+    models = {"data": [{"id": f"m{i:04d}", "status": {"value": "loaded"}} for i in range(5_000)]}
+    bodies = {
+        "/props": (json.dumps(props).encode(), JSON),
+        "/models": (json.dumps(models).encode(), JSON),
+    }
+    roster = server("http://127.0.0.1:9").model_copy(update={"max_models": 3})
+    with RecordedLlama(bodies) as router:
+        collector = LlamaCollector({"hub": roster.model_copy(update={"url": router.url})})
+        try:
+            samples = scrape(collector)  # the first scrape learns it is a router
+            samples = scrape(collector)
+        finally:
+            collector.close()
+    listed = {
+        dict(labels)["served_model"]
+        for (metric, labels) in samples
+        if metric == "gpufleet_llama_model_info"
+    }
+    assert listed == {"m0000", "m0001", "m0002"}
+    # Only the models within the budget were read (props and metrics of each child).
+    assert router.hits["/metrics"] <= 2 * 3 + 1
+    # Each model left out: its info and a state series per state value.
+    assert dropped_of(collector, "hub", "models_over_budget") >= (5_000 - 3) * 6

@@ -97,12 +97,10 @@ def test_an_unencodable_family_costs_its_collector_not_the_scrape(
         assert "gpufleet_test_bad" not in text  # the whole family: its good sample too
         assert 'gpufleet_exporter_collector_success{collector="bad"} 0.0' in text
         assert 'gpufleet_exporter_collector_success{collector="fine"} 1.0' in text
-        dropped = 'gpufleet_exporter_series_dropped_total{collector="bad",reason="unrenderable"}'
-        assert f"{dropped} {2.0 * scrape}" in text
-        assert (
-            'gpufleet_exporter_series_dropped_total{collector="fine",reason="unrenderable"} 0.0'
-            in text
-        )
+        dropped = "gpufleet_exporter_series_dropped_total"
+        bad = f'{dropped}{{collector="bad",reason="unrenderable",server=""}}'
+        assert f"{bad} {2.0 * scrape}" in text
+        assert f'{dropped}{{collector="fine",reason="unrenderable",server=""}} 0.0' in text
     # Logged once, when it appeared, naming the family.
     assert [r.getMessage() for r in caplog.records].count(
         "collector bad failed: left out, not writable as UTF-8 text: gpufleet_test_bad"

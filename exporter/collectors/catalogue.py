@@ -838,12 +838,15 @@ _FAMILIES: tuple[Family, ...] = (
     Family(
         "gpufleet_exporter_series_dropped_total",
         COUNTER,
-        "Series a collector made but the exporter did not export, by reason.",
-        ("collector", "reason"),
+        "Series the exporter left out, by collector, server (empty when none) and reason.",
+        ("collector", "server", "reason"),
         doc=(
             "`reason`: `unrenderable` (a label value that cannot be written as UTF-8 text: the "
-            "whole family is left out and the collector reads `collector_success 0`); one "
-            "series per collector and reason from the start, at 0"
+            "whole family is left out and the collector reads `collector_success 0`; one "
+            "series per collector from the start, at 0, `server` empty); `slots_over_budget` "
+            "and `models_over_budget` (a llama-server's per-slot or per-model series past its "
+            "roster budget `max_slots`/`max_models`; one series per llama server and reason "
+            "from the start, at 0)"
         ),
     ),
     Family(

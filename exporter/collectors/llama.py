@@ -122,6 +122,9 @@ _OTHER = (
 )
 
 
+SLOTS_OVER_BUDGET = "slots_over_budget"
+MODELS_OVER_BUDGET = "models_over_budget"
+
 BODY_CAPS: Mapping[str, int] = {
     # What llama-server sends, with room (tests/fixtures/llama/ holds the pinned build's):
     # /health is a line; /props carries the chat template (tens of KB); /metrics is ~2 KB;
@@ -219,6 +222,27 @@ class LlamaCollector:
         # wait never delays a neighbour's second round (/slots, router models).
         self._drivers = concurrent.futures.ThreadPoolExecutor(count, thread_name_prefix="llama")
         self._lock = threading.Lock()  # one scrape at a time: the memory is per collector
+        # Series left out by the servers' budgets (`max_slots`, `max_models`), cumulative; at
+        # 0 from the start, so that the first drop is an increase.
+        self._dropped: dict[tuple[str, str], int] = {
+            (name, reason): 0
+            for name in self._servers
+            for reason in (SLOTS_OVER_BUDGET, MODELS_OVER_BUDGET)
+        }
+        self._dropped_lock = threading.Lock()
+
+    def dropped(self) -> dict[tuple[str, str], int]:
+        """Series left out by budget so far, by (server, reason); read by the fleet collector."""
+        with self._dropped_lock:
+            return dict(self._dropped)
+
+    def _drop(self, name: str, reason: str, series: int) -> None:
+        if series:
+            with self._dropped_lock:
+                self._dropped[name, reason] += series
+        # Logged when it starts (and when it ends), not every scrape.
+        what = "over" if series else "ok"
+        self._log_change(name, reason, what, f"{series} series left out this scrape")
 
     def collect(self) -> Iterator[Metric]:
         """One scrape of every server; raises `CollectorError` after yielding on a config fault."""
@@ -291,7 +315,7 @@ class LlamaCollector:
                 pending = ask("models", "/models", headers)
                 lanes.wait([pending])
                 read.models = pending.answer()
-            read.parts = self._read_router(read.models, ask, headers, lanes)
+            read.parts = self._read_router(read.models, ask, headers, lanes, server.max_models)
             return read
         part = _Part(props=props_answer, metrics=first["metrics"].answer())
         read.parts = [part]
@@ -307,8 +331,10 @@ class LlamaCollector:
         ask: Callable[[str, str, tuple[tuple[str, str], ...]], Pending],
         headers: tuple[tuple[str, str], ...],
         lanes: Lanes,
+        max_models: int,
     ) -> list[_Part]:
-        listed = _parse_or_none(models, parse_models) or []
+        # Past the server's budget a model is neither read nor exported (`_export_router`).
+        listed = (_parse_or_none(models, parse_models) or [])[:max_models]
         parts: list[_Part] = []
         pending: list[tuple[_Part, Pending, Pending]] = []
         for model in listed:
@@ -359,7 +385,7 @@ class LlamaCollector:
             state.targets.clear()  # a restarted server starts its task ids again
             return
         if state.router:  # from this scrape's /props, else the last one that answered
-            self._export_router(name, read, f)
+            self._export_router(name, server, read, f)
         seen = set()
         states: dict[str, list[EndpointState]] = {}
         for part in read.parts:
@@ -376,7 +402,7 @@ class LlamaCollector:
                     [name, endpoint, s.value], 1.0 if s is worst else 0.0
                 )
 
-    def _export_router(self, name: str, read: _Read, f: _Fams) -> None:
+    def _export_router(self, name: str, server: Server, read: _Read, f: _Fams) -> None:
         models: list[RouterModel] | None = None
         current, detail = EndpointState.ERROR, read.key_error or ""
         if read.models is not None:
@@ -391,7 +417,15 @@ class LlamaCollector:
                 [name, "models", s.value], 1.0 if s is current else 0.0
             )
         self._log_change(name, "models", current.value, detail)
-        for model in models or ():
+        listed = models or []
+        over = listed[server.max_models :]
+        # What each model past the budget would have had: info, a state per value, exit code.
+        self._drop(
+            name,
+            MODELS_OVER_BUDGET,
+            sum(1 + len(MODEL_STATES) + (m.exit_code is not None) for m in over),
+        )
+        for model in listed[: server.max_models]:
             f["gpufleet_llama_model_info"].add_metric([name, model.id], 1.0)
             for value in MODEL_STATES:
                 f["gpufleet_llama_model_state"].add_metric(
@@ -476,7 +510,15 @@ class LlamaCollector:
         f["gpufleet_llama_slots"].add_metric([name, model, "idle"], len(slots) - len(busy))
         now = self._clock()
         seen: dict[int, tuple[int | None, float]] = {}
-        for slot in busy:
+        # Per-slot series for the lowest ids up to the server's budget; the rest left out.
+        busy.sort(key=lambda s: s.id)
+        budget = self._servers[name].max_slots
+        self._drop(
+            name,
+            SLOTS_OVER_BUDGET,
+            sum(1 + (s.decoded is not None) + (s.predict_limit is not None) for s in busy[budget:]),
+        )
+        for slot in busy[:budget]:
             label = [name, model, str(slot.id)]
             known = target.tasks.get(slot.id)
             first_seen = known[1] if known is not None and known[0] == slot.task_id else now

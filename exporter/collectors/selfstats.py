@@ -4,7 +4,7 @@ Sample output:
 
     gpufleet_exporter_collector_success{collector="amd"} 1.0
     gpufleet_exporter_collector_duration_seconds{collector="amd"} 0.00061
-    gpufleet_exporter_series_dropped_total{collector="llama",reason="unrenderable"} 0.0
+    gpufleet_exporter_series_dropped_total{collector="llama",server="",reason="unrenderable"} 0.0
     gpufleet_exporter_build_info{version="0.1.0",python_version="3.11.7"} 1.0
 
 Check by hand: `gpu-fleet-exporter --once | grep gpufleet_exporter_`.
@@ -32,9 +32,9 @@ class CollectorOutcome:
 
 
 def self_metrics(
-    outcomes: Sequence[CollectorOutcome], dropped: Mapping[tuple[str, str], int]
+    outcomes: Sequence[CollectorOutcome], dropped: Mapping[tuple[str, str, str], int]
 ) -> Iterator[Metric]:
-    """The exporter's own families for one scrape; `dropped` counts by (collector, reason)."""
+    """The exporter's own families for one scrape; `dropped` by (collector, server, reason)."""
     success = catalogue.gauge("gpufleet_exporter_collector_success")
     duration = catalogue.gauge("gpufleet_exporter_collector_duration_seconds")
     for outcome in outcomes:
@@ -43,8 +43,8 @@ def self_metrics(
     yield success
     yield duration
     series_dropped = catalogue.counter("gpufleet_exporter_series_dropped_total")
-    for (collector, reason), count in sorted(dropped.items()):
-        series_dropped.add_metric([collector, reason], float(count))
+    for (collector, server, reason), count in sorted(dropped.items()):
+        series_dropped.add_metric([collector, server, reason], float(count))
     yield series_dropped
     build = catalogue.gauge("gpufleet_exporter_build_info")
     build.add_metric([__version__, platform.python_version()], 1.0)

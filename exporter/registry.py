@@ -329,7 +329,7 @@ def build_collectors(settings: ExporterSettings) -> list[SourceCollector]:
             procfs=settings.procfs,
             timeout_seconds=settings.collector_timeout_seconds,
         ),
-        HostCollector(),
+        HostCollector(procfs=settings.procfs),
     ]
     servers = host.servers if host is not None else {}
     if servers:

@@ -1,14 +1,17 @@
-"""The host collector against this machine (psutil values vary, so no golden file)."""
+"""The host collector against a procfs fixture tree, and against this machine (with psutil)."""
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 
 import psutil
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.metrics_core import Metric
 
-from exporter.collectors.base import SourceCollector
+from exporter.collectors.base import CollectorError, SourceCollector
 from exporter.collectors.host import CPU_MODES, HostCollector
 
 NAMES = [
@@ -75,3 +78,55 @@ def registry_with(collector: HostCollector) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(collector)
     return registry
+
+
+def test_read_under_the_procfs_root(tmp_path: Path) -> None:
+    """The host's /proc mounted elsewhere (an exporter in a container): the files there count,
+    not the process's own /proc. The files are in the kernel's formats (proc(5))."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    (tmp_path / "stat").write_text(
+        f"cpu  {100 * ticks} {2 * ticks} {30 * ticks} {4000 * ticks} {5 * ticks} 0 {ticks} 0 "
+        f"{7 * ticks} 0\n"
+        "cpu0 1 0 0 0 0 0 0 0 0 0\ncpu1 1 0 0 0 0 0 0 0 0 0\ncpu2 1 0 0 0 0 0 0 0 0 0\n"
+        "intr 12345 0 0\nctxt 999\nbtime 1700000000\nprocesses 42\n"
+    )
+    (tmp_path / "loadavg").write_text("1.50 0.75 0.25 2/345 6789\n")
+    (tmp_path / "meminfo").write_text(
+        "MemTotal:       16000000 kB\nMemFree:         2000000 kB\n"
+        "MemAvailable:    9000000 kB\nBuffers:          500000 kB\nCached:          5000000 kB\n"
+        "SwapCached:            0 kB\nSwapTotal:       4000000 kB\nSwapFree:        3000000 kB\n"
+        "SReclaimable:    1000000 kB\nHugePages_Total:       0\n"
+    )
+    registry = registry_with(HostCollector(procfs=str(tmp_path)))
+    value = registry.get_sample_value
+    assert value("gpufleet_host_cpu_seconds_total", {"mode": "user"}) == 100
+    assert value("gpufleet_host_cpu_seconds_total", {"mode": "idle"}) == 4000
+    assert value("gpufleet_host_cpu_seconds_total", {"mode": "softirq"}) == 1
+    assert value("gpufleet_host_cpus") == 3
+    assert (value("gpufleet_host_load1"), value("gpufleet_host_load15")) == (1.5, 0.25)
+    assert value("gpufleet_host_memory_total_bytes") == 16_000_000 * 1024
+    assert value("gpufleet_host_memory_available_bytes") == 9_000_000 * 1024
+    # used = total - free - buffers - (cached + SReclaimable), as free(1) and psutil say
+    assert value("gpufleet_host_memory_used_bytes") == 7_500_000 * 1024
+    assert value("gpufleet_host_swap_used_bytes") == 1_000_000 * 1024
+    # A file that cannot be read drops its own series only.
+    (tmp_path / "loadavg").unlink()
+    families: list[Metric] = []
+    error = None
+    collector = HostCollector(procfs=str(tmp_path))
+    try:
+        families.extend(collector.collect())
+    except CollectorError as exc:
+        error = exc
+    names = {f.name for f in families}
+    assert error is not None and "loadavg" in str(error)
+    assert "gpufleet_host_load1" not in names and "gpufleet_host_memory_total_bytes" in names
+
+
+def test_this_machine_matches_psutil() -> None:
+    """On the real /proc, the same numbers psutil reads (the collector used it before)."""
+    registry = registry_with(HostCollector())
+    assert registry.get_sample_value("gpufleet_host_swap_total_bytes") == psutil.swap_memory().total
+    assert registry.get_sample_value("gpufleet_host_memory_total_bytes") == (
+        psutil.virtual_memory().total
+    )

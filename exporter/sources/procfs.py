@@ -354,3 +354,75 @@ def _descendants_by_parent(pid: int, procfs: str) -> set[int]:
                 found.add(child)
                 todo.append(child)
     return found
+
+
+# ---------------------------------------------------------------------------------------------
+# The host as a whole: CPU time, load, memory (proc(5): /proc/stat, /proc/loadavg, meminfo)
+# ---------------------------------------------------------------------------------------------
+
+# /proc/stat's `cpu` line, in order (proc(5)); guest and guest_nice are already inside user
+# and nice, so they are read but not among the modes.
+CPU_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+
+
+@dataclass(frozen=True)
+class CpuTimes:
+    """The `cpu` line of /proc/stat in seconds, by mode (a mode the kernel lacks: absent)."""
+
+    seconds: dict[str, float]
+    cpus: int | None  # the `cpuN` lines: CPUs online
+
+
+def read_cpu_times(procfs: str = "/proc") -> CpuTimes | None:
+    """CPU time summed over all CPUs and the CPU count, from `<procfs>/stat`; None if unreadable."""
+    data = _read(os.path.join(procfs, "stat"))
+    if data is None:
+        return None
+    ticks = os.sysconf("SC_CLK_TCK")  # USER_HZ: what /proc/stat counts in
+    seconds: dict[str, float] = {}
+    cpus = 0
+    for line in data.splitlines():
+        fields = line.split()
+        if not fields:
+            continue
+        if fields[0] == b"cpu":
+            try:
+                values = [_number(f) for f in fields[1 : 1 + len(CPU_FIELDS)]]
+            except ValueError:
+                return None
+            seconds = {mode: v / ticks for mode, v in zip(CPU_FIELDS, values, strict=False)}
+        elif fields[0].startswith(b"cpu") and fields[0][3:].isdigit():
+            cpus += 1
+    if not seconds:
+        return None
+    return CpuTimes(seconds, cpus or None)
+
+
+def read_loadavg(procfs: str = "/proc") -> tuple[float, float, float] | None:
+    """The 1, 5 and 15 minute load averages from `<procfs>/loadavg`; None if unreadable."""
+    data = _read(os.path.join(procfs, "loadavg"))
+    try:
+        one, five, fifteen = (float(f) for f in (data or b"").split()[:3])
+    except ValueError:
+        return None
+    return one, five, fifteen
+
+
+def read_meminfo(procfs: str = "/proc") -> dict[str, int] | None:
+    """`<procfs>/meminfo` in bytes by key (`MemTotal`, `MemAvailable`...); None if unreadable."""
+    data = _read(os.path.join(procfs, "meminfo"))
+    if data is None:
+        return None
+    values: dict[str, int] = {}
+    for line in data.splitlines():
+        key, sep, rest = line.partition(b":")
+        fields = rest.split()
+        if not sep or not fields:
+            continue
+        try:
+            value = _number(fields[0])
+        except ValueError:
+            continue  # that field only
+        unit = fields[1] if len(fields) > 1 else b""
+        values[key.decode("ascii", "replace")] = value * 1024 if unit == b"kB" else value
+    return values or None

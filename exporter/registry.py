@@ -34,7 +34,7 @@ from exporter.collectors.hwmon import HwmonCollector
 from exporter.collectors.llama import LlamaCollector
 from exporter.collectors.nvidia import NvidiaCollector
 from exporter.collectors.ports import PortsCollector
-from exporter.collectors.selfstats import CollectorOutcome, self_metrics
+from exporter.collectors.selfstats import FAKE_NVML, REAL_NVML, CollectorOutcome, self_metrics
 from exporter.collectors.server_memory import ServerMemoryCollector
 from exporter.collectors.units import UnitsCollector
 from exporter.collectors.vllm import VllmCollector
@@ -91,11 +91,13 @@ class FleetCollector:
         clock: Callable[[], float] = time.perf_counter,
         default_timeout_seconds: float = DEFAULT_SCRAPE_TIMEOUT_SECONDS,
         patience_seconds: float = 5.0,
+        nvml: str = REAL_NVML,
     ) -> None:
         self.collectors = list(collectors)
         self._clock = clock
         self._default_timeout = default_timeout_seconds
         self._patience = patience_seconds
+        self._nvml = nvml  # which NVML backend: a fake one must say so in every scrape
         # Collectors run off the scrape thread, at most once at a time: they keep per-scrape
         # state (CPU deltas, NVML's worker), and two scrapers at once (an HA pair of
         # Prometheus) must not double the load on a struggling GPU. The local ones run in turn
@@ -150,7 +152,7 @@ class FleetCollector:
                 for (server, reason), count in budgets().items():
                     key = (c.name, server, reason)
                     dropped[key] = dropped.get(key, 0) + count
-        yield from self_metrics(outcomes, dropped)
+        yield from self_metrics(outcomes, dropped, self._nvml)
 
     def _start(self, group: int, deadline: float, budget: float) -> Batch:
         """This scrape's batch for `group`: a new one, or one a concurrent scrape started."""
@@ -361,7 +363,8 @@ def build_collectors(settings: ExporterSettings) -> list[SourceCollector]:
 
 def build_registry(settings: ExporterSettings) -> tuple[CollectorRegistry, FleetCollector]:
     """A fresh registry holding the fleet collector (and nothing of prometheus_client's)."""
-    fleet = FleetCollector(build_collectors(settings))
+    nvml = FAKE_NVML if settings.nvml_fake_scenario is not None else REAL_NVML
+    fleet = FleetCollector(build_collectors(settings), nvml=nvml)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(fleet)
     return registry, fleet

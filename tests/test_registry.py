@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
@@ -11,7 +12,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
 from exporter.collectors.base import CollectorError
-from exporter.registry import FleetCollector
+from exporter.registry import ExporterSettings, FleetCollector, build_registry
 from fleet.gpu_index import GpuIndex, normalize_pci_bus_id
 
 
@@ -84,7 +85,7 @@ def test_build_info_and_durations_from_the_injected_clock() -> None:
         == 0.5
     )
     text = generate_latest(registry).decode()
-    assert 'gpufleet_exporter_build_info{python_version="' in text
+    assert 'gpufleet_exporter_build_info{nvml="nvidia-ml-py",python_version="' in text
 
 
 def test_close_reaches_every_collector_even_when_one_fails() -> None:
@@ -117,3 +118,18 @@ def test_gpu_indices_follow_pci_order_across_vendors_and_stay_fixed() -> None:
     index.register(["0000:00:01.0", "0000:41:00.0"])
     assert index.index_of("0000:00:01.0") == 5
     assert index.index_of("00000000:41:00.0") == 1
+
+
+def test_build_info_says_when_the_nvml_backend_is_a_fake(tmp_path: Path) -> None:
+    """A demo or test host on the fake backend must never pass for a real GPU host."""
+    fake = Path(__file__).parent / "fixtures" / "nvml" / "two_gpus.yaml"
+    for scenario, backend in ((fake, "fake"), (None, "nvidia-ml-py")):
+        settings = ExporterSettings(sysfs=str(tmp_path), nvml_fake_scenario=scenario)
+        registry, fleet = build_registry(settings)
+        try:
+            text = generate_latest(registry).decode()
+        finally:
+            fleet.close()
+        assert f'nvml="{backend}"' in text
+        [line] = [x for x in text.splitlines() if x.startswith("gpufleet_exporter_build_info{")]
+        assert f'nvml="{backend}"' in line

@@ -852,9 +852,12 @@ _FAMILIES: tuple[Family, ...] = (
     Family(
         "gpufleet_exporter_build_info",
         GAUGE,
-        "The exporter's version and the Python running it.",
-        ("version", "python_version"),
-        doc=("value 1"),
+        "The exporter's version, the Python running it, and its NVML backend (fake: a stand-in).",
+        ("version", "python_version", "nvml"),
+        doc=(
+            "value 1; `nvml` is `nvidia-ml-py` (the real library), or `fake` when "
+            "`--nvml.fake-scenario` stands in for the GPUs: never in production"
+        ),
     ),
 )
 

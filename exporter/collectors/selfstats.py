@@ -5,7 +5,7 @@ Sample output:
     gpufleet_exporter_collector_success{collector="amd"} 1.0
     gpufleet_exporter_collector_duration_seconds{collector="amd"} 0.00061
     gpufleet_exporter_series_dropped_total{collector="llama",server="",reason="unrenderable"} 0.0
-    gpufleet_exporter_build_info{version="0.1.0",python_version="3.11.7"} 1.0
+    gpufleet_exporter_build_info{version="0.1.0",python_version="3.11.7",nvml="nvidia-ml-py"} 1.0
 
 Check by hand: `gpu-fleet-exporter --once | grep gpufleet_exporter_`.
 """
@@ -21,6 +21,9 @@ from prometheus_client.metrics_core import Metric
 from exporter import __version__
 from exporter.collectors import catalogue
 
+REAL_NVML = "nvidia-ml-py"
+FAKE_NVML = "fake"
+
 
 @dataclass(frozen=True)
 class CollectorOutcome:
@@ -32,7 +35,9 @@ class CollectorOutcome:
 
 
 def self_metrics(
-    outcomes: Sequence[CollectorOutcome], dropped: Mapping[tuple[str, str, str], int]
+    outcomes: Sequence[CollectorOutcome],
+    dropped: Mapping[tuple[str, str, str], int],
+    nvml: str = REAL_NVML,
 ) -> Iterator[Metric]:
     """The exporter's own families for one scrape; `dropped` by (collector, server, reason)."""
     success = catalogue.gauge("gpufleet_exporter_collector_success")
@@ -47,5 +52,5 @@ def self_metrics(
         series_dropped.add_metric([collector, server, reason], float(count))
     yield series_dropped
     build = catalogue.gauge("gpufleet_exporter_build_info")
-    build.add_metric([__version__, platform.python_version()], 1.0)
+    build.add_metric([__version__, platform.python_version(), nvml], 1.0)
     yield build

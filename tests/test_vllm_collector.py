@@ -7,6 +7,7 @@ data-parallel engines; `metrics-v1-0.8.txt` is the older v1 format (see their he
 from __future__ import annotations
 
 import logging
+import re
 import shutil
 import subprocess
 import time
@@ -18,7 +19,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from exporter.collectors.base import SourceCollector
-from exporter.collectors.vllm import DEFAULT_MARGIN_SECONDS, VllmCollector
+from exporter.collectors.vllm import DEFAULT_MARGIN_SECONDS, RETIRE_AFTER_SCRAPES, VllmCollector
 from fleet.roster import Server
 from tests.golden import assert_golden, exposition
 from tests.scraping import scrape
@@ -468,3 +469,29 @@ def test_summed_counters_do_not_drop_when_one_engine_restarts(
     served.write_text(served.read_text().replace(engine1.replace("385063.0", "100.0"), ""))
     registry, _ = scrape(collector)
     assert value(registry, "gpufleet_vllm_generation_tokens_total") == after
+
+
+def test_a_gone_engines_memory_is_retired_and_its_count_kept(
+    make: MakeCollector, stand_in: MakeStandIn, tmp_path: Path
+) -> None:
+    """Engines and models come and go (a model swap renames every series): the collector's
+    memory of each must not grow for ever, and the sums must still never drop."""
+    served = tmp_path / "metrics.txt"
+    shutil.copy(V1, served)
+    collector = make({"gamma": roster_server(stand_in(served).url)})
+    registry, _ = scrape(collector)
+    before = value(registry, "gpufleet_vllm_generation_tokens_total")
+    memory = collector._memory["gamma"]
+    remembered = len(memory.counters)
+    assert remembered > 0 and not memory.retired
+    # The model is swapped: every vllm: series now has another model_name, counting from 0.
+    swapped = served.read_text().replace(f'model_name="{MODEL}"', 'model_name="Other/Model"')
+    swapped = re.sub(r"(vllm:generation_tokens_total\{[^}]*\}) [0-9.e+]+", r"\1 5.0", swapped)
+    served.write_text(swapped)
+    for _ in range(RETIRE_AFTER_SCRAPES + 1):
+        registry, _ = scrape(collector)
+    assert len(memory.counters) == remembered  # the old model's entries are gone
+    assert memory.retired  # folded, by counter and bucket only
+    assert all("engine" not in dict(labels) for _, labels in memory.retired)
+    after = value(registry, "gpufleet_vllm_generation_tokens_total")
+    assert after == before + 2 * 5.0  # two engines of the new model, 5 tokens each

@@ -102,6 +102,10 @@ _COUNTERS = (
 )
 
 _Samples = dict[str, list[Sample]]
+# The labels that tell vLLM's engines (and models) apart: summed over, never exported.
+_ENGINE_LABELS = frozenset({"engine", "model_name"})
+RETIRE_AFTER_SCRAPES = 20
+"""Answered scrapes without an engine's counters before it counts as gone (5 min at 15 s)."""
 
 
 @dataclass(frozen=True)
@@ -129,29 +133,59 @@ class _Memory:
     counters: dict[tuple[str, tuple[tuple[str, str], ...]], tuple[float, float]] = field(
         default_factory=dict
     )
+    # Consecutive answered scrapes without a remembered sample; past RETIRE_AFTER_SCRAPES its
+    # engine is gone and what it counted moves into `retired`, by counter and bucket only, so
+    # the memory stays bounded however many engines and models came and went.
+    unseen: dict[tuple[str, tuple[tuple[str, str], ...]], int] = field(default_factory=dict)
+    retired: dict[tuple[str, tuple[tuple[str, str], ...]], float] = field(default_factory=dict)
 
-    def monotonic(self, samples: _Samples) -> _Samples:
+    def monotonic(self, samples: _Samples, *, answered: bool = True) -> _Samples:
         """`samples` with each counter as counted since the exporter started.
 
-        Every engine's restarts are absorbed, and engines that vanished stay in at their last
-        value.
+        Every engine's restarts are absorbed, and what engines that vanished had counted stays
+        in the sums. `answered`: `/metrics` was read this scrape (else nothing is "unseen").
         """
         adjusted = dict(samples)
+        seen = set()
         for name in _COUNTERS:
             for sample in samples.get(name, ()):
                 key = (name, tuple(sorted(sample.labels.items())))
+                seen.add(key)
                 last, offset = self.counters.get(key, (0.0, 0.0))
                 if sample.value < last:  # this engine restarted: keep what it had counted
                     offset += last
                 self.counters[key] = (sample.value, offset)
+        if answered:
+            self._retire(seen)
+        for name in _COUNTERS:
             remembered = [
                 Sample(name, dict(labels), last + offset)
                 for (counter, labels), (last, offset) in self.counters.items()
                 if counter == name
             ]
+            remembered += [
+                Sample(name, dict(labels), value)
+                for (counter, labels), value in self.retired.items()
+                if counter == name
+            ]
             if remembered:
                 adjusted[name] = remembered
         return adjusted
+
+    def _retire(self, seen: set[tuple[str, tuple[tuple[str, str], ...]]]) -> None:
+        for key in list(self.counters):
+            if key in seen:
+                self.unseen.pop(key, None)
+                continue
+            missed = self.unseen.get(key, 0) + 1
+            if missed < RETIRE_AFTER_SCRAPES:
+                self.unseen[key] = missed
+                continue
+            last, offset = self.counters.pop(key)
+            del self.unseen[key]
+            name, labels = key
+            kept = tuple((k, v) for k, v in labels if k not in _ENGINE_LABELS)
+            self.retired[name, kept] = self.retired.get((name, kept), 0.0) + last + offset
 
 
 @dataclass
@@ -318,7 +352,7 @@ class VllmCollector:
             return
         for state in ENDPOINT_STATES:
             f.endpoint.add_metric([name, "metrics", state], 1.0 if read.state == state else 0.0)
-        _export_samples(name, memory.monotonic(read.samples), f)
+        _export_samples(name, memory.monotonic(read.samples, answered=read.state == "ok"), f)
 
     def _note_key_problem(self, name: str, server: Server, problem: str, memory: _Memory) -> None:
         if problem:

@@ -5,8 +5,10 @@ the bounded front both sides share (`fleet.http_front.BoundedWsgiServer`: one de
 connection, a cap on connections, a few workers; see there).
 
 With a web config (`fleet.webconfig`, `--web.config.file`): TLS on the listening socket, the
-context re-read when its files change; basic auth on every path; the file's extra headers on
-every response, 401 and 404 included.
+context re-read when its files change; basic auth on every path (good credentials are cached;
+one bcrypt check at a time, and a request whose credentials would wait for it is answered 429
+at once, so wrong passwords never queue good scrapes); the file's extra headers on every
+response, 401, 404 and 429 included.
 
 Check by hand: `curl -s 127.0.0.1:9445/metrics | head -1`.
 """
@@ -33,6 +35,7 @@ from fleet.http_front import (
 )
 from fleet.webconfig import (
     WWW_AUTHENTICATE,
+    AuthVerdict,
     BasicAuthChecker,
     TLSContextProvider,
     WebConfig,
@@ -98,7 +101,19 @@ def _secured(app: WSGIApplication, config: WebConfig) -> WSGIApplication:
         ) -> Callable[[bytes], object]:
             return start_response(status, [*headers, *extra], exc_info)
 
-        if checker is not None and not checker.check_header(environ.get("HTTP_AUTHORIZATION")):
+        verdict = (
+            AuthVerdict.OK
+            if checker is None
+            # Never waits for bcrypt: a flood of wrong passwords must not queue good scrapes.
+            else checker.verdict(environ.get("HTTP_AUTHORIZATION"), wait=False)
+        )
+        if verdict is AuthVerdict.BUSY:
+            start(
+                "429 Too Many Requests",
+                [("Content-Type", "text/plain; charset=utf-8"), ("Retry-After", "1")],
+            )
+            return [b"429 Too Many Requests: credentials not checked now (another check runs)\n"]
+        if verdict is not AuthVerdict.OK:
             start(
                 "401 Unauthorized",
                 [

@@ -60,6 +60,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import NoReturn, TypeVar
 
@@ -692,6 +693,14 @@ def _bcrypt_cost(hashed: str) -> int:
     return int(hashed[4:6])
 
 
+class AuthVerdict(Enum):
+    """What a credential is worth: good, wrong (or none), or not checked now (bcrypt busy)."""
+
+    OK = "ok"
+    DENIED = "denied"
+    BUSY = "busy"
+
+
 class BasicAuthChecker:
     """Checks basic-auth credentials against bcrypt hashes, caching successes.
 
@@ -706,6 +715,10 @@ class BasicAuthChecker:
     answer takes as long as for a real user (no user enumeration by timing); user names are
     compared with `hmac.compare_digest`. bcrypt runs one check at a time (as exporter-toolkit
     does), so a flood of wrong passwords costs one core of the GPU host, not all of them.
+
+    `verdict(..., wait=False)` never waits for that one check: while it runs, credentials not in
+    the cache are answered `BUSY` at once (the caller refuses them, 429), so the threads that
+    serve good, cached credentials are never queued behind a flood of wrong ones.
     """
 
     def __init__(self, users: Mapping[str, str], *, cache_size: int = 256) -> None:
@@ -724,16 +737,26 @@ class BasicAuthChecker:
 
     def check_header(self, authorization: str | None) -> bool:
         """Whether an `Authorization` header value carries valid credentials."""
+        return self.verdict(authorization) is AuthVerdict.OK
+
+    def verdict(self, authorization: str | None, *, wait: bool = True) -> AuthVerdict:
+        """What an `Authorization` header value is worth; `BUSY` only with `wait=False`."""
         credentials = parse_basic_authorization(authorization)
-        return credentials is not None and self.check(*credentials)
+        if credentials is None:
+            return AuthVerdict.DENIED
+        return self._verdict(*credentials, wait=wait)
 
     def check(self, user: str, password: str) -> bool:
         """Whether `password` is `user`'s."""
+        return self._verdict(user, password, wait=True) is AuthVerdict.OK
+
+    def _verdict(self, user: str, password: str, *, wait: bool) -> AuthVerdict:
+        denied = AuthVerdict.DENIED
         try:
             name = user.encode()
             secret = password.encode()
         except UnicodeEncodeError:  # a lone surrogate: no stored password has one
-            return False
+            return denied
         hashed = None
         for known, known_hash in self._users:
             # Every entry is compared (no early exit) so the time does not depend on which.
@@ -746,22 +769,26 @@ class BasicAuthChecker:
             # its timing says nothing about the password.
             if key in self._cache:
                 self._cache.move_to_end(key)
-                return True
+                return AuthVerdict.OK
         if len(secret) > _BCRYPT_MAX_PASSWORD:
-            return False
-        with self._bcrypt_lock:
+            return denied
+        if not self._bcrypt_lock.acquire(blocking=wait):
+            return AuthVerdict.BUSY
+        try:
             self.bcrypt_checks += 1
             try:
                 matches = bcrypt.checkpw(secret, target)
             except ValueError:  # a password bcrypt refuses to compare
                 matches = False
+        finally:
+            self._bcrypt_lock.release()
         if not matches or hashed is None:
-            return False
+            return denied
         with self._cache_lock:
             self._cache[key] = None
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
-        return True
+        return AuthVerdict.OK
 
     def _cache_key(self, name: bytes, secret: bytes, hashed: bytes) -> bytes:
         mac = hmac.new(self._hmac_key, digestmod=hashlib.sha256)

@@ -22,6 +22,7 @@ import socket
 import ssl
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -702,6 +703,44 @@ def test_checker_caches_successes_only_and_spends_bcrypt_on_unknown_users() -> N
     assert long_checker.check("u", long_password)
     assert not long_checker.check("u", long_password + "anything")
     assert not long_checker.check("u\udcff", "x")  # a lone surrogate: no error, no access
+
+
+def test_a_flood_of_wrong_passwords_never_queues_good_scrapes(tmp_path: Path) -> None:
+    """16 clients send wrong passwords (bcrypt cost 10, as `htpasswd -B` makes) while
+    Prometheus scrapes with its good, cached credentials: before, the scrapes waited behind
+    the bcrypt checks on the 4 workers (4 ms became about 1 s)."""
+    password = "the-real-one"
+    hashed = bcrypt.hashpw(password.encode(), bcrypt.gensalt(rounds=10)).decode()
+    config = WebConfig(source=tmp_path / "web.yml", users={"prometheus": hashed})
+    with serving(config) as server:
+        good = basic("prometheus", password)
+        assert get(server.port, context=None, headers=good).status == 200  # now cached
+        stop = threading.Event()
+        codes: list[int] = []
+
+        def flood(n: int) -> None:
+            while not stop.is_set():
+                codes.append(get(server.port, context=None, headers=basic("x", f"w{n}")).status)
+
+        flooders = [threading.Thread(target=flood, args=(n,)) for n in range(16)]
+        for thread in flooders:
+            thread.start()
+        try:
+            time.sleep(0.5)  # the flood is on
+            took = []
+            for _ in range(20):
+                start = time.monotonic()
+                answer = get(server.port, context=None, headers=good)
+                took.append(time.monotonic() - start)
+                assert answer.status == 200 and b"probe_value" in answer.body
+        finally:
+            stop.set()
+            for thread in flooders:
+                thread.join(15)
+    # One bcrypt check at a time (about 50 ms at cost 10) and the others refused at once: a
+    # good scrape never waits for the checks queued before it.
+    assert max(took) < 0.5, took
+    assert 429 in codes and 401 in codes and set(codes) <= {401, 429}
 
 
 def test_the_cache_holds_no_password() -> None:

@@ -104,14 +104,17 @@ docs: venv
 test: deps venv lint typecheck unit floor
 	$(BIN)/python bench/exporter_amd.py --scrapes 20
 	$(BIN)/python bench/exporter_servers.py --scrapes 2
+	$(BIN)/python bench/exporter_hostile.py --scrapes 3
 	$(BIN)/python bench/port_ghosts.py --processes 50 --runs 20
 	$(BIN)/python bench/webhook.py --notifications 100 --distinct 10 --storm-seconds 3
 	$(BIN)/python bench/time_to_heal.py --runs 1
 
-## make bench: AMD sysfs vs node_exporter; six servers, one hung; port ghosts; webhook
+## make bench: AMD sysfs vs node_exporter; six servers, one hung; a hostile host; port ghosts;
+## webhook
 bench: deps venv
 	$(BIN)/python bench/exporter_amd.py --scrapes $(SCRAPES)
 	$(BIN)/python bench/exporter_servers.py --scrapes 10
+	$(BIN)/python bench/exporter_hostile.py
 	$(BIN)/python bench/port_ghosts.py
 	$(BIN)/python bench/webhook.py
 	$(BIN)/python bench/time_to_heal.py --runs 5

@@ -49,7 +49,7 @@ sys.path.insert(0, str(ROOT))
 # The repository root is on the path only now: the lab comes from the tests.
 from tests.llama_lab import LlamaServer, free_port, write_tiny_model  # noqa: E402
 from tests.recorded_llama import FIXTURES, JSON, TEXT, RecordedLlama  # noqa: E402
-from tests.reliability.soak import llama_binary  # noqa: E402
+from tests.reliability.soak import llama_binary, sample  # noqa: E402
 from tests.sysfs_tree import (  # noqa: E402
     fleet_specs,
     nvme_spec,
@@ -168,15 +168,6 @@ def dropped(body: str) -> float:
     return total
 
 
-def process_status(pid: int) -> tuple[int, int]:
-    """Threads and resident memory (KiB) of a process, from /proc/PID/status."""
-    fields = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        fields[key] = value.strip()
-    return int(fields["Threads"]), int(fields["VmRSS"].split()[0])
-
-
 def percentile(values: list[float], share: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(share * (len(ordered) - 1)))]
@@ -243,7 +234,8 @@ def main() -> int:
             times.append(elapsed)
             statuses.append(code)
             complete.append(not missing)
-            status.append(process_status(proc.pid))
+            seen = sample(proc.pid)
+            status.append((seen.threads, seen.rss_kib))
             drops = dropped(body) if code == 200 else drops
             print(f"{number:6d}  {elapsed:7.3f}  {code:6d}  "
                   f"{'all' if not missing else 'MISSING ' + ', '.join(missing):12s}  "

@@ -431,16 +431,23 @@ def write_k10temp(root: Path, hwmon: int | None = None) -> Path:
     return write_hwmon_chip(root, replace(K10TEMP, hwmon=hwmon))
 
 
-def remove_device(written: WrittenCard) -> None:
-    """Simulate the card falling off the bus: its device tree and class links disappear."""
+def _driver_links(written: WrittenCard) -> list[Path]:
+    """The class and driver links amdgpu made for a card: its DRM nodes, hwmon, the driver's."""
     card = f"card{written.spec.card}"
     drm_class = written.root / "class" / "drm"
-    for link in (
+    return [
         drm_class / card,
         drm_class / f"renderD{128 + written.spec.card}",
         *(drm_class / f"{card}-{connector}" for connector in written.spec.connectors),
         written.root / "class" / "hwmon" / written.hwmon_dir.name,
         written.root / "bus" / "pci" / "drivers" / "amdgpu" / written.spec.pci_slot,
+    ]
+
+
+def remove_device(written: WrittenCard) -> None:
+    """Simulate the card falling off the bus: its device tree and class links disappear."""
+    for link in (
+        *_driver_links(written),
         written.root / "bus" / "pci" / "devices" / written.spec.pci_slot,
     ):
         link.unlink(missing_ok=True)
@@ -463,16 +470,7 @@ def unbind_driver(written: WrittenCard) -> None:
     link to the device go, the uevent loses DRIVER=, the DRM card (and its class links), the
     hwmon directory and amdgpu's attributes go.
     """
-    card = f"card{written.spec.card}"
-    drm_class = written.root / "class" / "drm"
-    for link in (
-        drm_class / card,
-        drm_class / f"renderD{128 + written.spec.card}",
-        *(drm_class / f"{card}-{connector}" for connector in written.spec.connectors),
-        written.root / "class" / "hwmon" / written.hwmon_dir.name,
-        written.root / "bus" / "pci" / "drivers" / "amdgpu" / written.spec.pci_slot,
-        written.device_dir / "driver",
-    ):
+    for link in (*_driver_links(written), written.device_dir / "driver"):
         link.unlink(missing_ok=True)
     for directory in ("drm", "hwmon"):
         shutil.rmtree(written.device_dir / directory, ignore_errors=True)

@@ -46,13 +46,12 @@ from prometheus_client.metrics_core import Metric
 from exporter.collectors import catalogue
 from exporter.collectors.base import CollectorError, Rediscovery
 from exporter.sources.amdgpu import AmdCard, AmdIdentity, AmdReading, discover_cards
-from exporter.sources.deadline import SerialReads
+from exporter.sources.deadline import SerialReads, read_devices
 from fleet.gpu_index import GpuIndex
 
 log = logging.getLogger(__name__)
 
 VENDOR = "amd"
-_DISCOVERY = "(discovery)"  # the reads' lane of rediscovery, beside one per card
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,26 +157,15 @@ class AmdCollector:
         """Yield fresh families for every card read in time (see the module docstring)."""
         if self._closed:
             return
-        deadline = time.monotonic() + self._timeout
-        reads = self._reads
-        discovery_stuck = False
-        if self._rediscovery.due():
-            # Its own batch first, so that a new card is read this very scrape; a walk that
-            # hangs costs half the deadline once, then is refused (and not waited on) again.
-            walk = reads.submit([(_DISCOVERY, self._rediscovery.run_if_due)])
-            walk.wait(time.monotonic() + self._timeout / 2)
-            walked = walk.finish()
-            discovery_stuck = bool(walked.refused or walked.stuck)
-        cards = self._cards  # a snapshot: discovery replaces the tuple, never mutates it
-        # One card's read may take this long before it is left behind and the others go on:
-        # a stuck card costs that, not the whole scrape (a healthy read takes well under 1 ms).
-        patience = min(self._timeout / 2, 1.0)
-        batch = reads.submit(
-            [(card.location.pci_slot, partial(_read_card, card)) for card in cards],
-            patience=patience,
+        scrape = read_devices(
+            self._reads,
+            # The cards known after rediscovery: discovery replaces the tuple, never mutates it.
+            lambda: [(c.location.pci_slot, partial(_read_card, c)) for c in self._cards],
+            timeout=self._timeout,
+            discovery_due=self._rediscovery.due,
+            discover=self._rediscovery.run_if_due,
         )
-        batch.wait(deadline)
-        got = batch.finish()
+        got, patience = scrape.got, scrape.patience
         hung = set(got.refused)  # its read of an earlier scrape is still stuck
         done: dict[str, _CardRead] = got.results
         timed_out = set(got.stuck)
@@ -199,7 +187,7 @@ class AmdCollector:
                 f"amdgpu sysfs read still stuck on card {', '.join(sorted(hung))} since an "
                 "earlier scrape; not read again until it returns",
             )
-        if discovery_stuck:
+        if scrape.discovery_stuck:
             problems.append("amdgpu rediscovery stuck in the kernel; not waited on again")
         if problems:
             raise CollectorError("; ".join(problems))

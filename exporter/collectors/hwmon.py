@@ -38,7 +38,7 @@ from prometheus_client.metrics_core import Metric
 
 from exporter.collectors import catalogue
 from exporter.collectors.base import CollectorError, Rediscovery
-from exporter.sources.deadline import SerialReads
+from exporter.sources.deadline import SerialReads, read_devices
 from exporter.sources.hwmon import chip_labels, list_chips
 from exporter.sources.sysfs import StaticValue, read_int
 
@@ -94,7 +94,7 @@ def k10temp_default_celsius(procfs: str | None) -> float:
 
 
 EXCLUDED_CHIPS = frozenset({"amdgpu"})  # exported per GPU by the amd collector
-_DISCOVERY = "(discovery)"  # the reads' lane of rediscovery, beside one per chip
+
 _NO_THERMAL: Mapping[str, float] = MappingProxyType({})
 
 
@@ -200,22 +200,16 @@ class HwmonCollector:
         others read: it has `gpufleet_host_temperature_read_timeout 1` and no temperatures, is
         not read again while that read stays stuck, and `CollectorError` names it.
         """
-        deadline = time.monotonic() + self._timeout
-        reads = self._reads
-        discovery_stuck = False
-        if self._rediscovery.due():
-            walk = reads.submit([(_DISCOVERY, self._rediscovery.run_if_due)])
-            walk.wait(time.monotonic() + self._timeout / 2)
-            walked = walk.finish()
-            discovery_stuck = bool(walked.refused or walked.stuck)
-        chips = self._chips  # a snapshot: discovery replaces the tuple, never mutates it
-        patience = min(self._timeout / 2, 1.0)
-        batch = reads.submit(
-            [(chip, partial(_read_sensors, sensors)) for chip, sensors in chips],
-            patience=patience,
+        scrape = read_devices(
+            self._reads,
+            # The chips known after rediscovery: discovery replaces the tuple, never mutates it.
+            lambda: [(chip, partial(_read_sensors, sensors)) for chip, sensors in self._chips],
+            timeout=self._timeout,
+            discovery_due=self._rediscovery.due,
+            discover=self._rediscovery.run_if_due,
         )
-        batch.wait(deadline)
-        got = batch.finish()
+        got, patience = scrape.got, scrape.patience
+        chips = self._chips
         temp = catalogue.gauge("gpufleet_host_temperature_celsius")
         crit = catalogue.gauge("gpufleet_host_temperature_critical_celsius")
         timeout = catalogue.gauge("gpufleet_host_temperature_read_timeout")
@@ -243,7 +237,7 @@ class HwmonCollector:
                 f"hwmon read of chip {', '.join(late)} did not return within {patience:g} s "
                 "(not read again until it returns)",
             )
-        if discovery_stuck:
+        if scrape.discovery_stuck:
             problems.append("hwmon rediscovery stuck in the kernel; not waited on again")
         if problems:
             raise CollectorError("; ".join(problems))

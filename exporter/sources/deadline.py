@@ -31,6 +31,8 @@ from typing import Any
 
 IDLE_SECONDS = 120.0
 """A worker ends after this long without work (the next batch starts a new one)."""
+DISCOVERY = "(discovery)"
+"""The key of rediscovery's job (`read_devices`), beside one per device."""
 
 
 @dataclass(frozen=True)
@@ -236,3 +238,47 @@ class SerialReads:
         with self._lock:
             self._closed = True
             self._changed.notify_all()
+
+
+@dataclass(frozen=True)
+class DeviceScrape:
+    """One scrape's reads of a collector's devices (`read_devices`)."""
+
+    got: Finished
+    patience: float  # how long one device's read could take before it was left behind
+    discovery_stuck: bool  # rediscovery was left behind, or is still stuck from earlier
+
+
+def device_patience(timeout: float) -> float:
+    """How long one device's read may take before it is left behind: timeout / 2, <= 1 s.
+
+    A healthy read takes well under a millisecond: a stuck device costs this, not the scrape.
+    """
+    return min(timeout / 2, 1.0)
+
+
+def read_devices(
+    reads: SerialReads,
+    jobs: Callable[[], Sequence[tuple[str, Callable[[], Any]]]],
+    *,
+    timeout: float,
+    discovery_due: Callable[[], bool],
+    discover: Callable[[], None],
+) -> DeviceScrape:
+    """Rediscovery when due, then one job per device, all within `timeout` seconds.
+
+    Rediscovery runs first, in its batch of its own, so that a new device is read this very
+    scrape; a walk that hangs costs half the timeout once, then is refused (never waited on)
+    again. `jobs` is called after it, for the devices known then.
+    """
+    deadline = time.monotonic() + timeout
+    discovery_stuck = False
+    if discovery_due():
+        walk = reads.submit([(DISCOVERY, discover)])
+        walk.wait(time.monotonic() + timeout / 2)
+        walked = walk.finish()
+        discovery_stuck = bool(walked.refused or walked.stuck)
+    patience = device_patience(timeout)
+    batch = reads.submit(jobs(), patience=patience)
+    batch.wait(deadline)
+    return DeviceScrape(batch.finish(), patience, discovery_stuck)

@@ -201,6 +201,9 @@ class CanaryProbe:
         models = _parsed(self._get("/models", headers), parse_models)
         if models is None:
             return "skipped_unknown"
+        # Within the server's model budget, as the llama collector reads them.
+        models = models[: self._server.max_models]
+        self._forget_all_but({m.id for m in models})
         loaded = [m.id for m in models if m.state == "loaded"]
         if not loaded:
             # Every child asleep or unloaded: asking one would load or wake it.
@@ -214,6 +217,18 @@ class CanaryProbe:
             )
         # One outcome per attempt: the best one says whether the attempt measured anything.
         return min(outcomes, key=OUTCOMES.index)
+
+    def _forget_all_but(self, listed: set[str]) -> None:
+        """Forget the children a router no longer lists.
+
+        Removed from the router, their last results would be exported for ever, and the
+        memory grow with every model swap.
+        """
+        with self._lock:
+            for gone in set(self._latest) - listed:
+                del self._latest[gone]
+        for gone in set(self._after_last_run) - listed:
+            del self._after_last_run[gone]
 
     def _probe(
         self, model: str, query: str, props: Props, headers: tuple[tuple[str, str], ...]

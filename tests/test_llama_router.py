@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import pytest
 
-from exporter.canary import CanaryProbe
+from exporter.canary import CanaryProbe, CanaryResult
 from exporter.collectors import catalogue
 from exporter.collectors.llama import LlamaCollector
 from fleet.roster import Canary
@@ -30,6 +30,7 @@ from remediator.playbooks.loader import Rejection, Target, load_playbooks
 from remediator.playbooks.model import resolve_target
 from tests.llama_lab import LlamaServer, get_json, wait_until
 from tests.prometheus_lab import MetricsEndpoint, PrometheusServer
+from tests.recorded_llama import FIXTURES, JSON, RecordedLlama
 from tests.test_host_actions import context, server_roster
 from tests.test_llama_collector import Scrape, entry
 
@@ -297,3 +298,27 @@ def test_a_router_childs_alert_names_it_in_the_target_and_a_bad_name_is_refused(
     for hostile in ('a"}) or vector(1', "x y", "../etc", "-rf"):
         refused = resolve(served_model=hostile)
         assert isinstance(refused, Rejection) and "is not a model id" in refused.reason
+
+
+def test_the_canary_forgets_a_model_the_router_no_longer_lists() -> None:
+    """A model removed from the router (a swap): its last result is no longer exported and
+    nothing of it is kept. The router's answers here are the recorded real server's
+    (tests/recorded_llama.py), as a router sends them, since the real router cannot drop a
+    model without a restart."""
+    props = json.loads((FIXTURES / "props.json").read_text())
+    props["role"] = "router"
+    models = {"data": [{"id": "kept", "status": {"value": "unloaded"}}]}
+    bodies = {
+        "/props": (json.dumps(props).encode(), JSON),
+        "/models": (json.dumps(models).encode(), JSON),
+    }
+    settings = Canary(interval_seconds=10, max_tokens=8, timeout_seconds=5)
+    with RecordedLlama(bodies) as router:
+        probe = CanaryProbe("hub", entry(router.url, canary=settings.model_dump()), settings)
+        earlier = CanaryResult(50.0, 500.0, time.time())
+        probe._latest = {"kept": earlier, "removed": earlier}
+        probe._after_last_run = {"kept": (1.0,), "removed": (2.0,)}
+        assert probe.run_once() == "skipped_sleeping"  # nothing loaded: nothing measured
+    results, _ = probe.snapshot()
+    assert set(results) == {"kept"}  # its last measurement stands; the removed one is gone
+    assert set(probe._after_last_run) == {"kept"}

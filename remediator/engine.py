@@ -742,6 +742,12 @@ class Engine:
                 verification = effects.finished
             elif playbook.verify is not None:
                 healed, verification = self._verify(playbook, target, cancel, deadline)
+                owed = self._not_undone(run)
+                if healed and owed:
+                    # Healthy, yet something this run changed is not put back (a deployment
+                    # out of routing): not healed, and the failed undo already calls people.
+                    healed = False
+                    verification += f"; but NOT undone: {', '.join(owed)}"
                 outcome = "healed" if healed else "not_healed"
                 if self._stop.is_set() and not healed:
                     # Cut short by the stop, not judged: the run did not fail, it was stopped.
@@ -950,6 +956,10 @@ class Engine:
                 undone.append(f"{undo.why}: {'done' if result.ok else 'FAILED'}")
             if not result.ok:
                 escalations.append(f"could not undo step {undo.asked_by}: {undo.why}")
+
+    def _not_undone(self, run: RunRecord) -> list[str]:
+        """What this run owes: its undos still pending or failed, by why."""
+        return [u.why for u in self.journal.undos(run.id, pending_only=False) if u.state != "done"]
 
     def _undone_text(self, run: RunRecord) -> str:
         """What an interrupted run undid and what is still pending, for its verification."""

@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import secrets
 import shutil
@@ -53,7 +54,13 @@ from remediator.prometheus_api import query_instant
 from remediator.service import build_services
 from remediator.targets import Target
 from remediator.web import create_app
-from tests.llama_lab import LlamaServer, StartLlamaServer, start_generation, wait_until
+from tests.llama_lab import (
+    LlamaServer,
+    StartLlamaServer,
+    free_port,
+    start_generation,
+    wait_until,
+)
 from tests.prometheus_lab import MetricsEndpoint, PrometheusServer
 from tests.remediator_lab import CountingServer, write_setup
 from tests.ssh_lab import REPO
@@ -180,6 +187,9 @@ class LiteLlmStandIn:
         self.master_key = master_key
         self.blocked = dict.fromkeys(model_ids, False)
         self.calls: list[tuple[str, str]] = []
+        # After applying a path's change, answer late (seconds) or with a gateway's 504 (as a
+        # proxy in front of LiteLLM does when LiteLLM is slow): the change stands either way.
+        self.then: dict[str, float | int] = {}
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -220,6 +230,15 @@ class LiteLlmStandIn:
                     self._send(404, {"detail": f"Model id = {model_id} not found in db"})
                     return
                 outer.blocked[model_id] = self.path == "/model/block"
+                then = outer.then.get(self.path)
+                if isinstance(then, float):
+                    time.sleep(then)  # applied; the answer comes after the caller gave up
+                    with contextlib.suppress(OSError):  # the caller is gone
+                        self._send(200, {"model_id": model_id, "blocked": True})
+                    return
+                if then == 504:
+                    self._send(504, {"detail": "Gateway Timeout"})
+                    return
                 self._send(200, {"model_id": model_id, "model_name": "gpu-dense",
                                  "blocked": outer.blocked[model_id]})  # fmt: skip
 
@@ -281,6 +300,36 @@ def test_drain_blocks_waits_for_idle_slots_and_hands_back_an_unblock(
         proxy.close()
 
 
+@pytest.mark.parametrize("then", [504, 5.0], ids=["504", "late"])
+def test_a_block_without_a_definite_answer_counts_as_applied(
+    tmp_path: Path, then: float | int
+) -> None:
+    """LiteLLM applies the block, then answers 504 (a gateway) or after the call gave up: the
+    unblock stays owed. Before, it was recorded as not needed and the deployment stayed out
+    of routing for good."""
+    proxy = LiteLlmStandIn("sk-master", ["deploy-1"])
+    proxy.then["/model/block"] = then
+    model = CountingServer()
+    try:
+        keys = litellm_keys(tmp_path, proxy, "sk-master", "deploy-1")
+        target = server_target(server_roster(tmp_path, model.url, keys))
+        # A step of 3 s: the late answer (5 s) comes after the call gave up.
+        result = run_action(
+            context(target, ActionSettings()), "drain", DrainParams(max_wait_seconds=0), 3
+        )
+        assert proxy.blocked == {"deploy-1": True}  # applied
+        assert "may have been applied" in result.output, result.output
+        assert result.undo is not None and result.undo.action == "litellm_unblock"
+        # A proxy that refuses at once (connection refused): nothing applied, nothing owed.
+        nobody = keys.replace(proxy.url, f"http://127.0.0.1:{free_port()}")
+        refused = server_target(server_roster(tmp_path, model.url, nobody))
+        nothing = run_action(context(refused, ActionSettings()), "drain", DrainParams(), 10)
+        assert nothing.undo is None and "may have been applied" not in nothing.output
+    finally:
+        proxy.close()
+        model.close()
+
+
 def _busy(url: str) -> bool:
     from tests.llama_lab import get_json
 
@@ -337,6 +386,59 @@ def test_the_unblock_runs_even_when_a_later_step_fails(tmp_path: Path) -> None:
         assert [path for path, _ in proxy.calls] == ["/model/block", "/model/unblock"]
         assert proxy.blocked == {"deploy-1": False}
         assert model.count("/never") == 0
+    finally:
+        proxy.close()
+        model.close()
+
+
+@pytest.mark.parametrize(
+    ("unblock", "outcome"), [(None, "healed"), (504, "not_healed")], ids=["undone", "owed"]
+)
+def test_a_run_is_not_healed_while_its_unblock_is_owed(
+    tmp_path: Path, unblock: int | None, outcome: str
+) -> None:
+    """The block answered 504 after it was applied; the run's unblock must run, and while it
+    has not succeeded the run is not healed, however well the server answers."""
+    proxy = LiteLlmStandIn("sk-master", ["deploy-1"])
+    proxy.then["/model/block"] = 504
+    if unblock is not None:
+        proxy.then["/model/unblock"] = unblock  # applied too, but no definite answer
+    model = CountingServer()
+    try:
+        setup = write_setup(tmp_path, servers={"alpha": model.url})
+        server_roster(tmp_path, model.url, litellm_keys(tmp_path, proxy, "sk-master", "deploy-1"))
+        (setup.playbooks / "probe.yaml").write_text(
+            "name: drain-then-verify\n"
+            "description: Test playbook - drains, verifies with a probe that passes.\n"
+            "match: {alertname: LlamaServerDown}\n"
+            "target: server\n"
+            "steps:\n"
+            "  - drain: {max_wait_seconds: 0}\n"
+            'verify:\n  probe: {http_probe: {url: "{server.url}/verify", expect_status: 200}}\n'
+        )
+        setup.roster.write_text((tmp_path / "fleet.yaml").read_text())
+        config = load_config(setup.config)
+        services = build_services(config)
+        client = create_app(config, services).test_client()
+        try:
+            answer = client.post(
+                "/webhook/alertmanager", json=firing(),
+                headers={"Authorization": f"Bearer {setup.webhook_token}"},
+            )  # fmt: skip
+            assert answer.status_code == 200
+            assert services.engine is not None
+            services.engine.process_all()
+            [run] = client.get(
+                "/api/runs", headers={"Authorization": f"Bearer {setup.admin_token}"}
+            ).get_json()["runs"]
+        finally:
+            services.close()
+        assert [path for path, _ in proxy.calls] == ["/model/block", "/model/unblock"]
+        steps = [(s["action"], s["result"]) for s in run["steps"]]
+        assert steps[-1] == ("litellm_unblock", "ok" if unblock is None else "failed")
+        assert run["outcome"] == outcome, run["verification"]
+        if unblock is not None:
+            assert "NOT undone: put deploy-1 back into LiteLLM's routing" in run["verification"]
     finally:
         proxy.close()
         model.close()

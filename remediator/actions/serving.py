@@ -34,6 +34,7 @@ from __future__ import annotations
 import http.client
 import json
 import re
+import socket
 import time
 import urllib.error
 import urllib.request
@@ -60,12 +61,31 @@ _RUNNING = re.compile(r"^vllm:num_requests_running(?:\{[^}]*\})?\s+([0-9.eE+-]+)
 
 
 class HttpAnswer:
-    """One HTTP exchange's result: a status and body, or the reason there was none."""
+    """One HTTP exchange's result: a status and body, or the reason there was none.
 
-    def __init__(self, status: int | None, body: bytes, error: str | None) -> None:
+    `sent` is False only when the request surely never reached the other side (the connection
+    was refused, or no time was left to try): then nothing it asked for can have happened.
+    """
+
+    def __init__(
+        self, status: int | None, body: bytes, error: str | None, *, sent: bool = True
+    ) -> None:
         self.status = status
         self.body = body
         self.error = error
+        self.sent = sent
+
+    @property
+    def maybe_applied(self) -> bool:
+        """Whether a change asked for may have been made though no 2xx said so.
+
+        No answer after sending (a timeout, a connection lost) and a 5xx (a gateway's 504 in
+        front of a proxy that went on) are not definite: the change may stand. A 4xx is the
+        other side refusing it.
+        """
+        if self.status is None:
+            return self.sent
+        return self.status >= 500
 
     def json(self) -> Any:
         """The body as JSON (None when it is not JSON)."""
@@ -97,7 +117,7 @@ def http_call(
         headers["Authorization"] = f"Bearer {bearer}"
     request = urllib.request.Request(url, method=method, data=data, headers=headers)
     if timeout <= 0:
-        return HttpAnswer(None, b"", f"timeout: no time left for {method} {url}")
+        return HttpAnswer(None, b"", f"timeout: no time left for {method} {url}", sent=False)
     try:
         with build_opener().open(request, timeout=timeout) as response:
             return HttpAnswer(response.status, response.read(_MAX_BODY), None)
@@ -116,7 +136,9 @@ def http_call(
         if isinstance(reason, TimeoutError):
             return HttpAnswer(None, b"", f"timeout: {method} {url} after {timeout:.1f} s")
         text = reason.strerror if isinstance(reason, OSError) and reason.strerror else reason
-        return HttpAnswer(None, b"", f"{method} {url}: {text}")
+        # Refused, or a name that does not resolve: the request never left.
+        never_sent = isinstance(reason, ConnectionRefusedError | socket.gaierror)
+        return HttpAnswer(None, b"", f"{method} {url}: {text}", sent=not never_sent)
     except (OSError, http.client.HTTPException) as exc:
         return HttpAnswer(None, b"", f"{method} {url}: {exc!r}")
 
@@ -147,31 +169,35 @@ def _timeout(ctx: ActionContext) -> float:
 # --- LiteLLM ---------------------------------------------------------------------------------
 
 
-def _litellm(ctx: ActionContext, path: str) -> tuple[bool, str]:
-    """POST `{litellm.url}{path}` `{"model_id": …}` with the admin key; (ok, what happened)."""
+def _litellm(ctx: ActionContext, path: str) -> tuple[bool, str, bool]:
+    """POST `{litellm.url}{path}` `{"model_id": …}` with the admin key.
+
+    (ok, what happened, whether it may have been applied without a 200 saying so).
+    """
     entry = ctx.target.server_entry
     proxy = entry.litellm if entry is not None else None
     if proxy is None:
-        return False, "no LiteLLM proxy in the roster for this server"
+        return False, "no LiteLLM proxy in the roster for this server", False
     try:
         key = read_key(proxy.admin_key_file)
     except (OSError, ValueError) as exc:
-        return False, f"LiteLLM admin key unusable: {exc}"
+        return False, f"LiteLLM admin key unusable: {exc}", False
     url = proxy.url.rstrip("/") + path
     answer = http_call(
         "POST", url, timeout=_timeout(ctx), body={"model_id": proxy.model_id}, bearer=key
     )
     if answer.error is not None:
-        return False, f"LiteLLM {path}: {answer.error}"
+        return False, f"LiteLLM {path}: {answer.error}", answer.maybe_applied
     if answer.status != 200:
-        return False, f"LiteLLM {path} answered {answer.status}: {answer.excerpt()}"
-    return True, f"LiteLLM {path} {proxy.model_id}: 200"
+        what = f"LiteLLM {path} answered {answer.status}: {answer.excerpt()}"
+        return False, what, answer.maybe_applied
+    return True, f"LiteLLM {path} {proxy.model_id}: 200", False
 
 
 @action("litellm_unblock", ActionParams, default_timeout_seconds=30.0)
 def litellm_unblock(ctx: ActionContext, params: ActionParams) -> StepResult:
     """Put the server's deployment back into the LiteLLM proxy's routing (`/model/unblock`)."""
-    ok, what = _litellm(ctx, "/model/unblock")
+    ok, what, _ = _litellm(ctx, "/model/unblock")  # idempotent: safe to repeat
     return StepResult(ok, what)
 
 
@@ -255,7 +281,9 @@ def drain(ctx: ActionContext, params: DrainParams) -> StepResult:
     processing (vLLM: `vllm:num_requests_running` 0), at most `max_wait_seconds`, then goes on
     (a runaway request never finishes by itself: the restart cuts it). The unblock (`POST
     /model/unblock`) runs at the end of the run **whatever happened after** — a later step
-    failing, the run timing out — journaled as an extra step `litellm_unblock`.
+    failing, the run timing out — journaled as an extra step `litellm_unblock`. A block
+    without a definite answer (a timeout, a connection lost after sending, a 5xx) counts as
+    applied: the unblock is owed all the same; only a 4xx or a refused connection owes none.
     """
     entry = _server(ctx, "drain")
     if isinstance(entry, StepResult):
@@ -263,12 +291,16 @@ def drain(ctx: ActionContext, params: DrainParams) -> StepResult:
     lines: list[str] = []
     undo: Undo | None = None
     if entry.litellm is not None:
-        blocked, what = _litellm(ctx, "/model/block")
+        blocked, what, maybe = _litellm(ctx, "/model/block")
         lines.append(what)
-        if blocked:
+        if blocked or maybe:
+            # No definite answer counts as applied, the conservative way: the unblock stays
+            # owed (it is idempotent), or the deployment could stay out of routing for good.
             undo = _unblock_undo(ctx, params)
-        elif params.require_proxy:
-            return StepResult(False, "drain: " + what)
+        if maybe:
+            lines.append("the block may have been applied (no definite answer): unblock owed")
+        if not blocked and params.require_proxy:
+            return StepResult(False, "drain: " + "; ".join(lines), undo=undo)
     start = time.monotonic()
     wait_end = start + min(params.max_wait_seconds, max(0.0, ctx.remaining() - 1.0))
     busy, how = busy_slots(ctx, entry)

@@ -213,10 +213,14 @@ def test_a_starts_at_past_the_window_closes_the_old_occurrence_and_opens_a_new_o
     assert journal.queue_depth() == 1
 
 
-def test_a_dedupe_window_of_the_journal_is_configurable(make_journal: MakeJournal) -> None:
+def test_a_dedupe_window_of_the_journal_is_configurable(
+    make_journal: MakeJournal, clock: Clock
+) -> None:
     journal = make_journal(dedupe_window=timedelta(minutes=1))
     admit(journal, alert("fp1"))
+    clock.advance(minutes=1)  # each copy received when it could be: not before it started
     assert admit(journal, alert("fp1", starts="2026-01-01T00:00:59Z")).duplicates == 1
+    clock.advance(minutes=1)
     assert len(admit(journal, alert("fp1", starts="2026-01-01T00:02:00Z")).new_run_ids) == 1
 
 
@@ -270,18 +274,41 @@ def test_a_resolution_reaches_a_claimed_run_at_the_rails(journal: Journal) -> No
     assert journal.count_running() == 0
 
 
-def test_a_resolution_with_another_starts_at_closes_the_open_one(journal: Journal) -> None:
+def test_a_resolution_with_another_starts_at_closes_the_open_one(
+    journal: Journal, clock: Clock
+) -> None:
+    clock.advance(hours=1)  # received when they started, never before (see the next test)
     (run_id,) = admit(journal, alert("fp1", starts="2026-01-01T01:00:00Z")).new_run_ids
     # A resolution stamped by the HA twin (earlier, within the window) closes it …
     result = admit(journal, alert("fp1", status="resolved", starts="2026-01-01T00:55:00Z",
                                   ends="2026-01-01T01:20:00Z"))  # fmt: skip
     assert (result.resolved, result.closed_run_ids) == (1, [run_id])
     # … one of an occurrence long before it does not: it is kept, resolved, beside it.
+    clock.advance(hours=1)
     (newer,) = admit(journal, alert("fp1", starts="2026-01-01T02:00:00Z")).new_run_ids
     stale = admit(journal, alert("fp1", status="resolved", starts="2026-01-01T00:00:00Z"))
     assert (stale.resolved, stale.closed_run_ids) == (1, [])
     run = journal.get_run(newer)
     assert run is not None and (run.state, run.alert.status) == ("pending", "firing")
+
+
+def test_a_starts_at_ahead_of_the_clock_counts_as_received_now(
+    journal: Journal, clock: Clock
+) -> None:
+    """Time from the network is bounded by this clock: a copy dated a day ahead opens an
+    occurrence that started when it was received, and a real fault later is not its copy."""
+    forged = admit(journal, alert("fp1", starts="2026-01-02T00:00:00Z"))
+    (forged_run,) = forged.new_run_ids
+    run = journal.get_run(forged_run)
+    assert run is not None and run.alert.starts_at == clock()  # received now
+    clock.advance(minutes=30)
+    (real_run,) = admit(journal, alert("fp1", starts="2026-01-01T00:30:00Z")).new_run_ids
+    assert real_run != forged_run
+    # Within the skew allowed (an HA pair's clocks): as given.
+    clock.advance(minutes=30)
+    (ahead,) = admit(journal, alert("fp2", starts="2026-01-01T01:00:30Z")).new_run_ids
+    run = journal.get_run(ahead)
+    assert run is not None and run.alert.starts_at == datetime(2026, 1, 1, 1, 0, 30, tzinfo=UTC)
 
 
 def test_a_resolution_never_seen_firing_is_a_tombstone(journal: Journal, journal_url: str) -> None:

@@ -276,6 +276,27 @@ def test_a_step_that_clears_its_alert_finishes_its_remedy(
         assert results == (["ok", "ok"] if restarts else ["ok", "skipped"])
 
 
+def test_a_copy_dated_in_the_future_cannot_make_the_real_fault_a_duplicate(
+    tmp_path: Path,
+) -> None:
+    """One firing copy with a `startsAt` a day ahead (forged through Alertmanager's API, or a
+    Prometheus whose clock runs ahead): before, every later real fault of that alert joined it
+    as a duplicate, and nothing was ever remediated."""
+    # A dedupe window of 2 s, so that "later" needs no ten-minute wait.
+    for lab in make_lab(tmp_path, cooldown=0, extra="dedupe_window_seconds: 2\n"):
+        ahead = (datetime.now(UTC) + timedelta(days=1)).strftime("%Y-%m-%dT%H:%M:%SZ")
+        assert lab.post(firing(starts=ahead, fingerprint="f" * 16)).status_code == 200
+        lab.process()
+        time.sleep(3)  # past the window: the real fault is a new occurrence
+        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        answer = lab.post(firing(starts=now, fingerprint="f" * 16))
+        assert len(answer.get_json()["runs"]) == 1, answer.get_json()
+        lab.process()
+        assert [r["outcome"] for r in lab.runs()] == ["healed", "healed"]
+        events = lab.admin("GET", "/api/events?kind=future_starts_at").get_json()["events"]
+        assert len(events) == 1 and "taken as started when received" in events[0]["detail"]
+
+
 def test_firing_again_after_resolve_is_a_new_occurrence(tmp_path: Path) -> None:
     for lab in make_lab(tmp_path, cooldown=0):
         first = firing(starts="2026-11-30T04:00:00Z", fingerprint="a" * 16)

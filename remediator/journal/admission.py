@@ -84,6 +84,9 @@ _INSERT_ALERT = {
 _INSERT_RUN = sa.insert(runs).returning(runs.c.id)
 
 DEFAULT_DEDUPE_WINDOW = timedelta(minutes=10)
+MAX_CLOCK_SKEW = timedelta(seconds=60)
+"""How far ahead of the receipt time an alert's `startsAt` may be (clocks in sync are within
+a second; a Prometheus of an HA pair evaluates up to an interval apart, and says when)."""
 RESOLVED_BEFORE_ACTING = "the alert resolved before the run could act; nothing was done"
 
 
@@ -138,7 +141,8 @@ class Admissions(Runs):
             new_runs: list[int] = []
             closed: list[int] = []
             duplicates = resolved = 0
-            for alert in sorted(notification.alerts, key=lambda a: (a.fingerprint, a.startsAt)):
+            bounded = [self._bounded(conn, a, notification_id, now) for a in notification.alerts]
+            for alert in sorted(bounded, key=lambda a: (a.fingerprint, a.startsAt)):
                 if alert.status == "firing":
                     run_id = self._admit_firing(conn, alert, notification_id, now, closed)
                     if run_id is None:
@@ -190,6 +194,28 @@ class Admissions(Runs):
         return self._tx("journal a refused notification", body, urgent=True)
 
     # -- one alert ---------------------------------------------------------------------------
+
+    def _bounded(
+        self, conn: Connection, alert: Alert, notification_id: int, now: datetime
+    ) -> Alert:
+        """`alert` with a `startsAt` no later than the receipt time allows.
+
+        Time from the network is bounded by this clock: a `startsAt` more than
+        `MAX_CLOCK_SKEW` ahead of receipt (a forged alert through Alertmanager's API, a
+        Prometheus whose clock runs ahead) would open an occurrence that every later real
+        fault joins as a duplicate. It counts as received now, and an event says so.
+        """
+        if alert.startsAt <= now + MAX_CLOCK_SKEW:
+            return alert
+        self._add_event(
+            conn,
+            "future_starts_at",
+            f"alert {clean(alert.alertname)!r} ({clean(alert.fingerprint)}) said it started at "
+            f"{alert.startsAt.isoformat()}, {alert.startsAt - now} after it was received: "
+            "taken as started when received",
+            ref_id=notification_id,
+        )
+        return alert.model_copy(update={"startsAt": now})
 
     def _open_occurrence(self, conn: Connection, fingerprint: str) -> Any:
         return conn.execute(_OPEN_OCCURRENCE, {"b_fingerprint": fingerprint}).first()

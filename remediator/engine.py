@@ -99,14 +99,18 @@ class RunEffects:
     `escalations`: reasons to call people; `finished`: the run ended early and successfully
     (a false alarm), no further steps and no verification; `resolved`: the alert stopped
     firing before a step that changes something; `stopped`: the remediator is stopping, the
-    run ends `interrupted` once its undos ran; `fenced`: another replica took the run over
-    (this one was silent too long): it acts on it no more, not even its undos.
+    run ends `interrupted` once its undos ran; `cancelled`: a person paused remediation or put
+    the host in maintenance while the run was acting: it does no further step that changes
+    something, runs its undos and ends `cancelled`, saying who and why; `fenced`: another
+    replica took the run over (this one was silent too long): it acts on it no more, not even
+    its undos.
     """
 
     escalations: list[str] = field(default_factory=list)
     finished: str | None = None
     resolved: str | None = None
     stopped: str | None = None
+    cancelled: str | None = None
     fenced: str | None = None
     undone: list[str] = field(default_factory=list)
 
@@ -734,6 +738,8 @@ class Engine:
                 effects.stopped = f"the remediator stopped during step {failed_at}"
             if effects.stopped is not None:
                 outcome, verification = "interrupted", effects.stopped + self._undone_text(run)
+            elif effects.cancelled is not None:
+                outcome, verification = "cancelled", effects.cancelled + self._undone_text(run)
             elif effects.resolved is not None:
                 outcome, verification = "resolved", effects.resolved
             elif failed_at is not None:
@@ -836,6 +842,13 @@ class Engine:
             if effects is not None and not self.journal.owns(run.id):
                 effects.fenced = f"another replica took run {run.id} over before step {index}"
                 return None
+            if effects is not None and not registered.read_only:
+                held = self._held_by_people(target)
+                if held is not None:
+                    # Stop buttons stop: nothing more that changes something, undos still.
+                    effects.cancelled = f"{held}; stopped before step {index}"
+                    self._skip_rest(run, playbook, target, index - 1, held)
+                    return None
             if effects is not None and asking and not registered.read_only:
                 firing, detail = self._still_firing(run)
                 if not firing:
@@ -898,6 +911,18 @@ class Engine:
                 why = f"step {index} failed" if not result.ok else f"step {index} ended the run"
                 self._skip_rest(run, playbook, target, index, why)
                 return index if not result.ok else None
+        return None
+
+    def _held_by_people(self, target: Target) -> str | None:
+        """Who stopped remediation of `target` while its run acts (pause, maintenance), and why."""
+        if self.journal.paused():
+            events = self.journal.events(kind="paused", limit=1)
+            return events[0].detail if events else "remediation was paused"
+        window = self.journal.maintenance_windows().get(target.host)
+        if window is not None:
+            _, _, reason, by = window
+            why = f": {reason}" if reason else ""
+            return f"host {target.host} went into maintenance by {by}{why}"
         return None
 
     def _skip_rest(

@@ -297,6 +297,55 @@ def test_a_copy_dated_in_the_future_cannot_make_the_real_fault_a_duplicate(
         assert len(events) == 1 and "taken as started when received" in events[0]["detail"]
 
 
+RESTART_WAIT_RESTART = (
+    "name: restart-wait-restart\n"
+    "description: Test playbook - restarts, waits, restarts again.\n"
+    "match: {alertname: LlamaServerDown}\n"
+    "target: server\n"
+    "steps:\n"
+    '  - http_request: {url: "{server.url}/restart", method: GET, expect_status: [200]}\n'
+    "  - wait: {seconds: 1.5}\n"
+    '  - http_request: {url: "{server.url}/restart", method: GET, expect_status: [200]}\n'
+    'verify:\n  probe: {http_probe: {url: "{server.url}/verify", expect_status: 200}}\n'
+)
+
+
+@pytest.mark.parametrize(
+    ("press", "who"),
+    [
+        (("/api/pause", {"reason": "deploy in progress"}), "paused by admin: deploy in progress"),
+        (
+            ("/api/maintenance/dioscuri", {"on": True, "reason": "swapping the card"}),
+            "host dioscuri went into maintenance by admin: swapping the card",
+        ),
+    ],
+    ids=["pause", "maintenance"],
+)
+def test_a_stop_button_stops_a_run_between_two_restarts(
+    tmp_path: Path, press: tuple[str, dict[str, Any]], who: str
+) -> None:
+    """Before, the run already acting did its next restart all the same."""
+    for lab in make_lab(tmp_path, playbook=RESTART_WAIT_RESTART):
+        lab.post(fixture("firing"))
+        worker = threading.Thread(target=lab.process)
+        worker.start()
+        deadline = time.monotonic() + 10
+        while lab.alpha.count("/restart") == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)  # the first restart happened; the run is in its wait step
+        path, body = press
+        assert lab.admin("POST", path, body).status_code == 200
+        worker.join(15)
+        first, *later = lab.runs()
+        run = later[-1] if later else first
+        assert run["outcome"] == "cancelled", run
+        assert who in run["verification"]
+        assert "stopped before step 2" in run["verification"]
+        assert [s["result"] for s in run["steps"]] == ["ok", "ok", "skipped"]
+        assert lab.alpha.count("/restart") == 1  # the second restart never happened
+        if later:  # judged again: a new run waits for the resume or the end of maintenance
+            assert first["state"] == "pending" and first["wait_reason"] in ("paused", "maintenance")
+
+
 def test_firing_again_after_resolve_is_a_new_occurrence(tmp_path: Path) -> None:
     for lab in make_lab(tmp_path, cooldown=0):
         first = firing(starts="2026-11-30T04:00:00Z", fingerprint="a" * 16)

@@ -79,7 +79,9 @@ class ActionContext:
     """What an action may know while it runs.
 
     `deadline` is a `time.monotonic()` instant the action must finish by; `cancel` is set when
-    the run is cancelled (shutdown, pause): long waits must use `cancel.wait(...)`, not sleep.
+    the remediator stops: long waits must use `cancel.wait(...)`, not sleep. A pause or a
+    maintenance window does not cut a step short: it takes effect between steps (the engine
+    runs no further step that is not read-only).
     """
 
     target: Target

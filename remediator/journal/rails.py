@@ -445,8 +445,10 @@ class Rails(Runs):
                             self._enqueue(conn, report, run_id, now)
                         opened = True
             self._make_due(conn, ("locked", "busy", "rate_limited"), now)
-            if outcome == "interrupted":
-                self._readmit(conn, run_id, now)  # judged again, if its alert still fires
+            if outcome in ("interrupted", "cancelled"):
+                # Judged again, if its alert still fires: a stopped run waits for the resume
+                # (or the end of maintenance) and its cooldown, never re-run blindly.
+                self._readmit(conn, run_id, now, how=outcome)
             return opened
 
         return self._tx("finish a run", body)

@@ -374,8 +374,10 @@ class Runs(Outbox, Events):
                        write=False)  # fmt: skip
         return row is not None and row.state == "running" and row.owner == self.replica_id
 
-    def _readmit(self, conn: Connection, run_id: int, now: datetime) -> int | None:
-        """After an interruption: a new pending run for the occurrence if it still fires.
+    def _readmit(
+        self, conn: Connection, run_id: int, now: datetime, *, how: str = "interrupted"
+    ) -> int | None:
+        """After an interruption (or a person's stop): a new pending run if it still fires.
 
         It goes through admission's rails like any run (the interrupted one counts in the
         breaker and left a cooldown): never re-run blindly. None when the alert resolved or
@@ -396,7 +398,7 @@ class Runs(Outbox, Events):
             conn.execute(
                 sa.insert(runs)
                 .values(alert_id=alert_id, state="pending", reason=f"after run {run_id} was "
-                        "interrupted: judged again", created_at=now)
+                        f"{how}: judged again", created_at=now)
                 .returning(runs.c.id)
             ).scalar_one()
         )  # fmt: skip

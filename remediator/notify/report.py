@@ -59,6 +59,8 @@ OUTCOMES = {
     "not_healed": ("❌", "Not healed"),
     "failed": ("❌", "Failed"),
     "interrupted": ("⚠️", "Interrupted"),
+    # A person paused remediation or put the host in maintenance while it acted.
+    "cancelled": ("⏹️", "Stopped by a person"),
     # The alert stopped firing before a step that changes something: neither heal nor failure.
     "resolved": ("✅", "Resolved before acting"),
 }

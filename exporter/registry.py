@@ -3,19 +3,20 @@
 All source collectors hang under one `FleetCollector`, which runs them under a supervisor,
 off the scrape thread (`exporter.sources.deadline`: the local ones in turn, each collector of
 model servers beside them), under one deadline for the scrape: Prometheus'
-`X-Prometheus-Scrape-Timeout-Seconds` (else 10 s) less 0.5 s. A collector that raises loses
-only its own series (and what it yielded before the error is kept); one that has not finished
-by the deadline, or is still stuck since an earlier scrape, yields nothing this scrape and
-reads `gpufleet_exporter_collector_success 0`, while the scrape answers on time with the
-others. Its success and duration are recorded, and families that several collectors emit
-(`gpufleet_gpu_info` from NVIDIA and AMD alike) are merged into one, because the text format
-allows a family's HELP and TYPE only once.
+`X-Prometheus-Scrape-Timeout-Seconds` (else 10 s) less 0.5 s (`scrape_budget`). A collector
+that raises loses only its own series (and what it yielded before the error is kept); one
+that has not finished by the deadline, or is still stuck since an earlier scrape, yields
+nothing this scrape and reads `gpufleet_exporter_collector_success 0`, while the scrape
+answers on time with the others. Its success and duration are recorded, and families that
+several collectors emit (`gpufleet_gpu_info` from NVIDIA and AMD alike) are merged into one,
+because the text format allows a family's HELP and TYPE only once.
 """
 
 from __future__ import annotations
 
 import contextvars
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -50,9 +51,18 @@ log = logging.getLogger(__name__)
 DEFAULT_SCRAPE_TIMEOUT_SECONDS = 10.0
 """The scrape timeout assumed when the scraper names none (Prometheus' default, and ours)."""
 TIMEOUT_OFFSET_SECONDS = 0.5
-"""How far before the scraper's timeout the exporter answers (as blackbox_exporter does)."""
-MIN_DEADLINE_SECONDS = 0.5
+"""How far before the scraper's timeout the exporter answers (as blackbox_exporter does), at
+most: a tenth of a short timeout (the lab scrapes with 1 s: the answer's transfer needs less
+than half of it)."""
+MIN_DEADLINE_SECONDS = 0.2
 """The shortest deadline a scrape gets, whatever the scraper says."""
+
+
+def scrape_budget(timeout: float) -> float:
+    """The seconds a scrape with the scraper's `timeout` has for its collectors."""
+    return max(MIN_DEADLINE_SECONDS, timeout - min(TIMEOUT_OFFSET_SECONDS, timeout / 10))
+
+
 SCRAPE_TIMEOUT: contextvars.ContextVar[float | None] = contextvars.ContextVar(
     "scrape_timeout", default=None
 )
@@ -127,12 +137,12 @@ class FleetCollector:
         """One scrape: every collector's families, merged by name, then the self metrics.
 
         Bounded by the scrape's timeout (`SCRAPE_TIMEOUT`, set from Prometheus' header, else
-        the default) less `TIMEOUT_OFFSET_SECONDS`: a collector not finished by then, or
+        the default) less an offset (`scrape_budget`): a collector not finished by then, or
         still running since an earlier scrape, reads `collector_success 0` and yields nothing
         this scrape; the others' families are answered on time.
         """
         timeout = SCRAPE_TIMEOUT.get() or self._default_timeout
-        budget = max(MIN_DEADLINE_SECONDS, timeout - TIMEOUT_OFFSET_SECONDS)
+        budget = scrape_budget(timeout)
         results = self._collect_all(time.monotonic() + budget, budget)
         merged: dict[str, Metric] = {}
         copied: set[str] = set()  # families shared with another scrape are never mutated
@@ -157,6 +167,9 @@ class FleetCollector:
     def _start(self, group: int, deadline: float, budget: float) -> Batch:
         """This scrape's batch for `group`: a new one, or one a concurrent scrape started."""
         reads, members = self._groups[group]
+        # A local collector stuck past half the budget is left behind and the next one runs,
+        # still on time; a group of one (a collector of model servers) has only the deadline.
+        patience = min(self._patience, budget / 2) if len(members) > 1 else math.inf
         with self._inflight_lock:
             running = self._inflight.get(group)
             if running is not None and not running[0].done and time.monotonic() < running[1]:
@@ -164,9 +177,7 @@ class FleetCollector:
             batch = reads.submit(
                 [(_job_key(i, self.collectors[i]), partial(self._run, self.collectors[i]))
                  for i in members],
-                # A local collector stuck past this is left behind and the next one runs: with
-                # half the scrape's budget at most, those after it are still read on time.
-                patience=min(self._patience, budget / 2),
+                patience=patience,
             )  # fmt: skip
             self._inflight[group] = (batch, deadline)
             return batch

@@ -62,7 +62,7 @@ from tests.llama_lab import (
     wait_until,
 )
 from tests.prometheus_lab import MetricsEndpoint, PrometheusServer
-from tests.remediator_lab import CountingServer, write_setup
+from tests.remediator_lab import CountingServer, Setup, write_setup
 from tests.ssh_lab import REPO
 from tests.test_remediator import firing
 
@@ -337,6 +337,27 @@ def _busy(url: str) -> bool:
     return any(slot.get("is_processing") for slot in slots)
 
 
+def one_run(setup: Setup) -> dict[str, Any]:
+    """The remediator of `setup`, in process: one firing alert in, its one run processed."""
+    config = load_config(setup.config)
+    services = build_services(config)
+    client = create_app(config, services).test_client()
+    try:
+        answer = client.post(
+            "/webhook/alertmanager", json=firing(),
+            headers={"Authorization": f"Bearer {setup.webhook_token}"},
+        )  # fmt: skip
+        assert answer.status_code == 200
+        assert services.engine is not None
+        services.engine.process_all()
+        [run] = client.get(
+            "/api/runs", headers={"Authorization": f"Bearer {setup.admin_token}"}
+        ).get_json()["runs"]
+    finally:
+        services.close()
+    return dict(run)
+
+
 def test_the_unblock_runs_even_when_a_later_step_fails(tmp_path: Path) -> None:
     proxy = LiteLlmStandIn("sk-master", ["deploy-1"])
     model = CountingServer()
@@ -358,24 +379,7 @@ def test_the_unblock_runs_even_when_a_later_step_fails(tmp_path: Path) -> None:
             '  - http_probe: {url: "{server.url}/never", expect_status: 200}\n'
         )
         setup.roster.write_text((tmp_path / "fleet.yaml").read_text())
-        config = load_config(setup.config)
-        services = build_services(config)
-        app = create_app(config, services)
-        client = app.test_client()
-        try:
-            answer = client.post(
-                "/webhook/alertmanager", json=firing(),
-                headers={"Authorization": f"Bearer {setup.webhook_token}"},
-            )  # fmt: skip
-            assert answer.status_code == 200
-            assert services.engine is not None
-            services.engine.process_all()
-            runs = client.get(
-                "/api/runs", headers={"Authorization": f"Bearer {setup.admin_token}"}
-            ).get_json()["runs"]
-        finally:
-            services.close()
-        [run] = runs
+        run = one_run(setup)
         assert run["outcome"] == "failed"
         steps = [(s["action"], s["result"]) for s in run["steps"]]
         assert steps == [
@@ -417,22 +421,7 @@ def test_a_run_is_not_healed_while_its_unblock_is_owed(
             'verify:\n  probe: {http_probe: {url: "{server.url}/verify", expect_status: 200}}\n'
         )
         setup.roster.write_text((tmp_path / "fleet.yaml").read_text())
-        config = load_config(setup.config)
-        services = build_services(config)
-        client = create_app(config, services).test_client()
-        try:
-            answer = client.post(
-                "/webhook/alertmanager", json=firing(),
-                headers={"Authorization": f"Bearer {setup.webhook_token}"},
-            )  # fmt: skip
-            assert answer.status_code == 200
-            assert services.engine is not None
-            services.engine.process_all()
-            [run] = client.get(
-                "/api/runs", headers={"Authorization": f"Bearer {setup.admin_token}"}
-            ).get_json()["runs"]
-        finally:
-            services.close()
+        run = one_run(setup)
         assert [path for path, _ in proxy.calls] == ["/model/block", "/model/unblock"]
         steps = [(s["action"], s["result"]) for s in run["steps"]]
         assert steps[-1] == ("litellm_unblock", "ok" if unblock is None else "failed")

@@ -19,7 +19,7 @@ lies before the year 1) is refused with its field named.
 from __future__ import annotations
 
 import json
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -36,6 +36,18 @@ def as_utc(value: datetime) -> datetime:
         return value.astimezone(UTC)
     except OverflowError:
         raise ValueError("cannot be represented in UTC (out of the years 1 to 9999)") from None
+
+
+def minus(when: datetime, delta: timedelta) -> datetime:
+    """`when - delta`, held at the earliest representable time instead of overflowing.
+
+    Alerts may carry any valid time, the year 1 included (`0001-01-01T00:00:01Z`): every
+    window reaching back from one (dedupe, a report's chart) must not fail on it.
+    """
+    try:
+        return when - delta
+    except OverflowError:
+        return datetime.min.replace(tzinfo=when.tzinfo)
 
 
 class PayloadError(ValueError):

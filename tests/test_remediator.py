@@ -346,6 +346,24 @@ def test_a_stop_button_stops_a_run_between_two_restarts(
             assert first["state"] == "pending" and first["wait_reason"] in ("paused", "maintenance")
 
 
+def test_a_valid_start_in_the_year_1_is_shown_like_any_other(tmp_path: Path) -> None:
+    """`0001-01-01T00:00:01Z` is valid (one second after Go's zero time): the run's report
+    reached back 15 minutes before it and overflowed, so `/ui/` answered 500 while the run
+    was among the newest (and the report was never written)."""
+    (tmp_path / "ui.password").write_text("ui-password-1234\n")
+    ui = f"ui: {{password_file: {tmp_path / 'ui.password'}}}\n"
+    for lab in make_lab(tmp_path, extra=ui):
+        year_1 = firing(starts="0001-01-01T00:00:01Z", fingerprint="1" * 16)
+        assert lab.post(year_1).status_code == 200
+        lab.process()
+        [run] = lab.runs()
+        assert run["outcome"] == "healed"
+        token = base64.b64encode(b"ui:ui-password-1234").decode()
+        page = lab.client.get("/ui/", headers={"Authorization": f"Basic {token}"})
+        assert page.status_code == 200
+        assert "since 1-01-01 00:00:01Z" in page.get_data(as_text=True)
+
+
 def test_firing_again_after_resolve_is_a_new_occurrence(tmp_path: Path) -> None:
     for lab in make_lab(tmp_path, cooldown=0):
         first = firing(starts="2026-11-30T04:00:00Z", fingerprint="a" * 16)

@@ -40,7 +40,7 @@ from sqlalchemy.dialects import postgresql as pg_dialect
 from sqlalchemy.dialects import sqlite as sqlite_dialect
 from sqlalchemy.engine import Connection
 
-from remediator.alerts import Alert, Notification
+from remediator.alerts import Alert, Notification, minus
 from remediator.journal.db import clean
 from remediator.journal.records import Admission, ReportLike, RunRecord
 from remediator.journal.runs import Runs
@@ -255,7 +255,7 @@ class Admissions(Runs):
                     {
                         "b_fingerprint": fingerprint,
                         "b_starts": starts,
-                        "b_window_start": _minus(starts, window),
+                        "b_window_start": minus(starts, window),
                     },
                 ).first()
                 if known is not None:
@@ -281,7 +281,7 @@ class Admissions(Runs):
         ended = _ended_at(alert, now)
         for _ in range(2):
             current = self._open_occurrence(conn, fingerprint)
-            if current is not None and alert.startsAt >= _minus(
+            if current is not None and alert.startsAt >= minus(
                 current.starts_at, self.dedupe_window
             ):
                 return self._close(conn, current.id, ended=ended, now=now)
@@ -377,14 +377,6 @@ class Admissions(Runs):
             return
         for report in reports:
             self._enqueue(conn, report, newest[0].id, now)
-
-
-def _minus(when: datetime, delta: timedelta) -> datetime:
-    """`when - delta`, held at the earliest representable time instead of overflowing."""
-    try:
-        return when - delta
-    except OverflowError:
-        return datetime.min.replace(tzinfo=when.tzinfo)
 
 
 def _ended_at(alert: Alert, now: datetime) -> datetime:

@@ -31,6 +31,7 @@ from urllib.parse import parse_qs, quote, urlencode, urlsplit
 
 from fleet.roster import Roster
 from remediator.actions.registry import UnknownActionError, get_action
+from remediator.alerts import minus
 from remediator.journal import QueuedReport, RunRecord, StepRecord
 from remediator.notify.markdown import (
     cell,
@@ -303,7 +304,7 @@ class Reporter:
 
     def _window(self, run: RunRecord) -> tuple[datetime, datetime]:
         end = (run.finished_at or run.alert.last_seen) + GRAPH_AFTER
-        start = min(run.alert.starts_at - GRAPH_BEFORE, end - GRAPH_BEFORE)
+        start = min(minus(run.alert.starts_at, GRAPH_BEFORE), end - GRAPH_BEFORE)
         return max(start, end - GRAPH_MAX_SPAN), end
 
     def _links(self, run: RunRecord) -> str:

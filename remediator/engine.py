@@ -47,7 +47,7 @@ from remediator.actions.registry import (
 from remediator.actions.settings import ActionSettings
 from remediator.alerts import Alert
 from remediator.doorbell import Doorbell
-from remediator.firing import FiringCheck
+from remediator.firing import Firing, FiringCheck
 from remediator.journal import (
     AlertRecord,
     ClaimUnread,
@@ -87,6 +87,10 @@ class EngineSettings:
     poll_seconds: float = 1.0
     heartbeat_seconds: float = 5.0
     prune_seconds: float = 3600.0
+    # A "not firing" from Prometheus while Alertmanager's last word is "firing" is asked again
+    # after this long before it ends a run: one read is no verdict (a scrape missed, a rule
+    # group evaluated late).
+    recheck_seconds: float = 5.0
     # What host actions need (executors, allow-lists); the default lets them refuse clearly.
     actions: ActionSettings = field(default_factory=ActionSettings)
 
@@ -648,9 +652,9 @@ class Engine:
         if isinstance(target, Rejection):
             self._decide(run, "rejected", target.reason, playbook=playbook)
             return
-        firing = self.firing.check(run.alert.labels, journal_firing=run.alert.status == "firing")
-        if not firing.firing:
-            self._decide(run, "resolved", f"the alert no longer fires ({firing.detail})",
+        firing, detail = self._still_firing(run)
+        if not firing:
+            self._decide(run, "resolved", f"the alert no longer fires ({detail})",
                          playbook=playbook, target=target)  # fmt: skip
             return
         if self.settings.dry_run or playbook.policy.dry_run:
@@ -807,11 +811,28 @@ class Engine:
         )  # fmt: skip
 
     def _still_firing(self, run: RunRecord) -> tuple[bool, str]:
-        """Before a step that changes something: does the alert still fire? (and who says)."""
+        """Whether the alert still fires, and who says: before acting and before a step.
+
+        When Prometheus says no while the journal holds the alert firing (no resolution from
+        Alertmanager), it is asked once more after `recheck_seconds`: two answers in a row end
+        a run, not one.
+        """
+        answer = self._firing_once(run)
+        if answer.firing or answer.source != "prometheus" or not self._journal_firing(run):
+            return answer.firing, answer.detail
+        if self._stop.wait(self.settings.recheck_seconds):
+            return answer.firing, answer.detail  # stopping: the first answer stands
+        again = self._firing_once(run)
+        asked = f"asked twice, {self.settings.recheck_seconds:g} s apart"
+        return again.firing, f"{again.detail}; {asked}"
+
+    def _journal_firing(self, run: RunRecord) -> bool:
         current = self.journal.get_run(run.id)
         status = current.alert.status if current is not None else run.alert.status
-        answer = self.firing.check(run.alert.labels, journal_firing=status == "firing")
-        return answer.firing, answer.detail
+        return status == "firing"
+
+    def _firing_once(self, run: RunRecord) -> Firing:
+        return self.firing.check(run.alert.labels, journal_firing=self._journal_firing(run))
 
     def _steps(
         self,

@@ -10,8 +10,12 @@ Prometheus of an HA pair fired first).
 
 from __future__ import annotations
 
+import json
+import threading
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -123,3 +127,59 @@ def test_pending_here_counts_while_the_journal_holds_the_alert_firing(
         assert run["decision"] != "resolved", run["reason"]
         assert run["outcome"] == "healed", run
         assert lab.alpha.count("/restart") == 1
+
+
+class OnceWrongPrometheus:
+    """STAND-IN for Prometheus' HTTP API (`/api/v1/rules?type=alert`, `/api/v1/query`, as
+    the real one answers them: `{"status": "success", "data": …}`) whose first `ALERTS`
+    query misses the alert — a scrape lost, a rule group evaluated late — and whose later
+    ones find it firing. The real Prometheus cannot be made to give one wrong answer on cue."""
+
+    def __init__(self, labels: dict[str, str]) -> None:
+        self.queries = 0
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                if self.path.startswith("/api/v1/rules"):
+                    rules = [{"type": "alerting", "name": labels["alertname"]}]
+                    data: dict[str, Any] = {"groups": [{"name": "lab", "rules": rules}]}
+                else:
+                    outer.queries += 1
+                    series = {"metric": {"__name__": "ALERTS", "alertstate": "firing", **labels},
+                              "value": [0, "1"]}  # fmt: skip
+                    found = [] if outer.queries == 1 else [series]
+                    data = {"resultType": "vector", "result": found}
+                body = json.dumps({"status": "success", "data": data}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: object) -> None:
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def test_one_not_firing_read_is_asked_again_before_it_ends_a_run(tmp_path: Path) -> None:
+    """Before, a single negative answer ended the occurrence's only run as `resolved`, and
+    every later repeat from Alertmanager was a duplicate: the fault was never remediated."""
+    prometheus = OnceWrongPrometheus(LABELS)
+    try:
+        for lab in make_lab(tmp_path, prometheus_url=prometheus.url):
+            assert lab.post(firing(fingerprint="c" * 16)).status_code == 200
+            lab.process()
+            [run] = lab.runs()
+            assert run["outcome"] == "healed", run
+            assert lab.alpha.count("/restart") == 1
+            assert prometheus.queries >= 2  # the first "no" was asked again
+    finally:
+        prometheus.close()

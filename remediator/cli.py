@@ -32,6 +32,7 @@ import getpass
 import json
 import logging
 import os
+import re
 import secrets
 import signal
 import sys
@@ -354,11 +355,21 @@ def _runs(services: Services, limit: int, *, as_json: bool, waiting: bool = Fals
         result = run.outcome or run.decision or run.state
         if run.waiting:
             result = f"waiting ({run.wait_reason}) until {run.not_before:%H:%M:%S}"
+        # Alert names come from the network: an escape sequence must not reach the terminal.
+        name, playbook = _shown(run.alert.alertname), _shown(run.playbook or "-")
         print(
-            f"{run.id:>6}  {run.created_at:%Y-%m-%d %H:%M:%S}  {run.alert.alertname[:24]:24}  "
-            f"{(run.playbook or '-')[:24]:24}  {(run.target or '-')[:28]:28}  {result}"
+            f"{run.id:>6}  {run.created_at:%Y-%m-%d %H:%M:%S}  {name[:24]:24}  "
+            f"{playbook[:24]:24}  {_shown(run.target or '-')[:28]:28}  {_shown(result)}"
         )
     return 0
+
+
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
+
+
+def _shown(text: str) -> str:
+    """`text` for a terminal: control characters (ESC, BEL, CR...) shown as U+FFFD."""
+    return _CONTROL.sub("\ufffd", text)
 
 
 def _use_color(choice: str) -> bool:

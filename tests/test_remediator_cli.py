@@ -190,3 +190,24 @@ def test_init_config_opens_the_page_with_its_own_password(tmp_path: Path) -> Non
     finally:
         stop_process(proc, 15)
         log.close()
+
+
+def test_runs_never_prints_a_control_character_from_an_alert(tmp_path: Path) -> None:
+    """An alert name is the network's: `\\x1b[2J` would clear the operator's terminal,
+    `\\x1b]0;…\\x07` retitle it."""
+    from remediator.alerts import parse_notification
+    from remediator.journal import Journal
+
+    setup = write_setup(tmp_path, servers={"alpha": "http://127.0.0.1:9"})
+    payload = json.loads((ALERTMANAGER_FIXTURES / "firing.json").read_text())
+    payload["alerts"][0]["labels"]["alertname"] = "Evil\x1b[2J\x1b]0;owned\x07"
+    raw = json.dumps(payload).encode()
+    journal = Journal(f"sqlite:///{tmp_path / 'journal.db'}", replica_id="x")
+    try:
+        journal.admit(parse_notification(raw), raw)
+    finally:
+        journal.close()
+    shown = run("runs", "--config", str(setup.config))
+    assert shown.returncode == 0, shown.stderr
+    assert "Evil\ufffd[2J\ufffd]0;owned\ufffd" in shown.stdout
+    assert not any(c in shown.stdout for c in "\x1b\x07")

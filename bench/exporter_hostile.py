@@ -49,7 +49,7 @@ sys.path.insert(0, str(ROOT))
 # The repository root is on the path only now: the lab comes from the tests.
 from tests.llama_lab import LlamaServer, free_port, write_tiny_model  # noqa: E402
 from tests.recorded_llama import FIXTURES, JSON, TEXT, RecordedLlama  # noqa: E402
-from tests.reliability.soak import llama_binary, sample  # noqa: E402
+from tests.reliability.soak import llama_binary, sample, six_servers_roster  # noqa: E402
 from tests.sysfs_tree import (  # noqa: E402
     fleet_specs,
     nvme_spec,
@@ -64,6 +64,7 @@ RSS_TARGET_MIB = 80
 WARMUP_SCRAPES = 10
 HEALTHY_SERVERS = ("healthy", "recorded")
 SMALL = ("-c", "512", "-np", "1", "-t", "1", "--metrics")
+GPUS = "{nvidia: {count: 2}, amd: {count: 4}}"
 
 
 def hostile_bodies() -> dict[str, dict[str, tuple[bytes, str]]]:
@@ -96,28 +97,6 @@ def write_tree(root: Path) -> tuple[Path, Path]:
         fifo.unlink()
         os.mkfifo(fifo)
     return fifos
-
-
-def roster(path: Path, urls: dict[str, str], timeout: float) -> Path:
-    lines = [
-        "hosts:",
-        "  bench:",
-        "    address: 127.0.0.1",
-        "    gpus: {nvidia: {count: 2}, amd: {count: 4}}",
-        "    servers:",
-    ]
-    for name, url in urls.items():
-        lines += [
-            f"      {name}:",
-            "        engine: llama",
-            f"        url: {url}",
-            f"        unit: llama-server@{name}.service",
-            "        role: bench",
-            "        model: tiny",
-            f"        timeout_seconds: {timeout}",
-        ]
-    path.write_text("\n".join(lines) + "\n")
-    return path
 
 
 def scrape(port: int, timeout: float) -> tuple[float, int, str]:
@@ -205,8 +184,9 @@ def main() -> int:
             urls[name] = stack.enter_context(RecordedLlama(bodies, busy=True)).url
         urls["stopped"] = real["stopped"].url
         port = free_port()
+        roster = six_servers_roster(work / "fleet.yaml", urls, args.timeout, gpus=GPUS)
         proc = subprocess.Popen(
-            [str(exporter), "--config", str(roster(work / "fleet.yaml", urls, args.timeout)),
+            [str(exporter), "--config", str(roster),
              "--host", "bench", "--sysfs", str(sysfs), "--nvml.fake-scenario", str(SCENARIO),
              "--web.listen-address", f"127.0.0.1:{port}", "--log.level", "error"],
         )  # fmt: skip

@@ -154,8 +154,7 @@ class HwmonCollector:
         own = {f"k10temp/{sensor}": k10temp for sensor in _K10TEMP_SENSORS}
         self._defaults = {**DEFAULT_CRITICAL_CELSIUS, **own}
         self._entries: frozenset[str] = frozenset()
-        self._sensors: tuple[_Sensor, ...] = ()
-        # The same sensors by chip label, in order: each chip is read on a worker of its own.
+        # The sensors by chip label, in order: the chips are read one by one (`collect`).
         self._chips: tuple[tuple[str, tuple[_Sensor, ...]], ...] = ()
         self._discover()
         self._rediscovery = Rediscovery(self._discover, rediscover_seconds, clock)
@@ -169,10 +168,10 @@ class HwmonCollector:
     def _discover(self) -> None:
         """Rebuild the sensor list when the set of hwmon entries changed (a chip came or went)."""
         entries = self._list_entries()
-        if entries == self._entries and self._sensors:
+        if entries == self._entries and self._chips:
             return
         self._entries = entries
-        sensors = []
+        by_chip: dict[str, list[_Sensor]] = {}
         for label, chip in chip_labels(list_chips(self._sysfs, exclude_names=EXCLUDED_CHIPS)):
             for temp in chip.temps:
                 source = "roster"
@@ -182,13 +181,9 @@ class HwmonCollector:
                 if fallback is None:
                     source = "default"
                     fallback = self._defaults.get(f"{chip.name}/{temp.sensor}")
-                sensors.append(
+                by_chip.setdefault(label, []).append(
                     _Sensor(label, temp.sensor, temp.input_path, temp.crit, fallback, source)
                 )
-        self._sensors = tuple(sensors)
-        by_chip: dict[str, list[_Sensor]] = {}
-        for sensor in sensors:
-            by_chip.setdefault(sensor.chip, []).append(sensor)
         self._chips = tuple((chip, tuple(group)) for chip, group in by_chip.items())
 
     def collect(self) -> Iterator[Metric]:

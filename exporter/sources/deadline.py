@@ -90,7 +90,6 @@ class Batch:
 @dataclass(eq=False)
 class _Worker:
     batches: deque[Batch] = field(default_factory=deque)
-    thread: threading.Thread | None = None
     abandoned: bool = False  # left behind with a stuck job: ends when that job returns
 
 
@@ -181,11 +180,11 @@ class SerialReads:
     def _start_worker(self) -> _Worker:
         # Under the lock.
         worker = _Worker()
-        worker.thread = threading.Thread(
+        thread = threading.Thread(
             target=self._work, args=(worker,), name=f"{self._name}-read", daemon=True
         )
         self._threads += 1
-        worker.thread.start()
+        thread.start()
         return worker
 
     def _work(self, worker: _Worker) -> None:

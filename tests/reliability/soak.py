@@ -107,9 +107,17 @@ def start_six_servers(stack: ExitStack, work: Path) -> SixServers:
     return SixServers(urls, sleeping, router)
 
 
-def six_servers_roster(path: Path, urls: dict[str, str], timeout: float) -> Path:
-    """A roster of one host, `bench`, with the six servers, each with `timeout` seconds."""
-    lines = ["hosts:", "  bench:", "    address: 127.0.0.1", "    servers:"]
+def six_servers_roster(
+    path: Path, urls: dict[str, str], timeout: float, *, gpus: str | None = None
+) -> Path:
+    """A roster of one host, `bench`, with the servers, each with `timeout` seconds.
+
+    `gpus`: the host's `gpus` mapping in YAML flow style (`{nvidia: {count: 2}}`), if any.
+    """
+    lines = ["hosts:", "  bench:", "    address: 127.0.0.1"]
+    if gpus is not None:
+        lines.append(f"    gpus: {gpus}")
+    lines.append("    servers:")
     for name, url in urls.items():
         lines += [
             f"      {name}:",
